@@ -1,0 +1,118 @@
+#pragma once
+/// \file
+/// The error hierarchy of stagejit and the always-on check macro.
+///
+/// Every error a user can cause is reported by throwing a subclass of
+/// `stagejit::Error` whose message names the node, value, function or stage concerned
+/// and what was expected. Internal invariants use `STAGEJIT_ASSERT` (debug builds only).
+
+#include <cstddef>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace stagejit {
+
+/// Base of every exception stagejit throws. Derives `std::runtime_error`.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+/// A graph violates an IR invariant (thrown by `ir::lint` and IR mutators).
+class IrError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Malformed IR text. `line()` and `column()` are 1-based positions in the parsed text;
+/// `what()` reads `line:column: message`.
+class ParseError : public Error {
+ public:
+  ParseError(std::size_t line, std::size_t column, const std::string& message)
+      : Error(std::to_string(line) + ":" + std::to_string(column) + ": " + message),
+        line_(line), column_(column), message_(message) {}
+  std::size_t line() const noexcept { return line_; }
+  std::size_t column() const noexcept { return column_; }
+  /// The message without the `line:column: ` prefix.
+  const std::string& message() const noexcept { return message_; }
+
+ private:
+  std::size_t line_, column_;
+  std::string message_;
+};
+
+/// Something the tracer cannot record (untraced output, in-place op on an input, ...).
+class TraceError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// The closure compiler or `compile()` cannot serve a graph or a call.
+class CompileError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Tensor shapes that do not fit an op or a traced signature.
+class ShapeError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A fusion kernel could not be generated, compiled, loaded or launched.
+class FusionError : public Error {
+ public:
+  using Error::Error;
+};
+
+namespace detail {
+
+inline void append_all(std::ostringstream&) {}
+template <class T, class... Rest>
+void append_all(std::ostringstream& os, const T& first, const Rest&... rest) {
+  os << first;
+  append_all(os, rest...);
+}
+
+/// Concatenates every argument with `operator<<` into one string.
+template <class... Args>
+std::string str_cat(const Args&... args) {
+  std::ostringstream os;
+  append_all(os, args...);
+  return os.str();
+}
+
+template <class E, class... Args>
+[[noreturn]] void throw_error(const Args&... args) {
+  throw E(str_cat(args...));
+}
+
+}  // namespace detail
+}  // namespace stagejit
+
+/// Always-on check of user input: throws `stagejit::Error` with the streamed message.
+#define STAGEJIT_CHECK(cond, ...)                                   \
+  do {                                                              \
+    if (!(cond)) ::stagejit::detail::throw_error<::stagejit::Error>(__VA_ARGS__); \
+  } while (false)
+
+/// Always-on check that throws the given `stagejit::Error` subclass.
+#define STAGEJIT_CHECK_AS(ErrorType, cond, ...)                      \
+  do {                                                              \
+    if (!(cond)) ::stagejit::detail::throw_error<ErrorType>(__VA_ARGS__); \
+  } while (false)
+
+/// Internal invariant, checked in debug builds only (never for user input).
+#ifdef NDEBUG
+#define STAGEJIT_ASSERT(cond, ...) ((void)0)
+#else
+#define STAGEJIT_ASSERT(cond, ...)                                                  \
+  do {                                                                              \
+    if (!(cond))                                                                    \
+      ::stagejit::detail::throw_error<::stagejit::Error>("internal assertion `" #cond \
+                                                         "` failed at " __FILE__ ":", \
+                                                         __LINE__, ": " __VA_OPT__(, ) __VA_ARGS__); \
+  } while (false)
+#endif

@@ -1,0 +1,7 @@
+#pragma once
+/// \file
+/// One include for users: everything in API.md. Users write `namespace sj = stagejit;`.
+
+#include <stagejit/core/error.hpp>
+#include <stagejit/core/scalar.hpp>
+#include <stagejit/core/version.hpp>

@@ -1,0 +1,7 @@
+#include <stagejit/core/version.hpp>
+
+namespace stagejit {
+
+const char* version_string() noexcept { return STAGEJIT_VERSION_STRING; }
+
+}  // namespace stagejit

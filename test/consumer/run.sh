@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Consumer check: packs this source tree the way a release tarball would be, points a
+# wrap file at it (subprojects/packagecache, so nothing is downloaded), then configures,
+# builds and runs test/consumer/project, which includes <stagejit/stagejit.hpp>.
+# Usage: run.sh SOURCE_ROOT SCRATCH_DIR
+set -euo pipefail
+src=$(cd "$1" && pwd)
+work=$2
+rm -rf "$work"
+mkdir -p "$work/subprojects/packagecache"
+cp -r "$src/test/consumer/project/." "$work/"
+tarball="$work/subprojects/packagecache/stagejit-test.tar.gz"
+tar -C "$src" --transform 's,^\.,stagejit,' \
+  --exclude=./build --exclude='./build*' --exclude=./.git --exclude=./subprojects/packagecache \
+  -czf "$tarball" ./meson.build ./meson_options.txt ./include ./src ./subprojects
+hash=$(sha256sum "$tarball" | cut -d' ' -f1)
+cat > "$work/subprojects/stagejit.wrap" <<WRAP
+[wrap-file]
+directory = stagejit
+source_url = https://example.invalid/stagejit-test.tar.gz
+source_filename = stagejit-test.tar.gz
+source_hash = $hash
+
+[provide]
+stagejit = stagejit_dep
+WRAP
+cd "$work"
+meson setup build --wrap-mode=nodownload >setup.log 2>&1 || { cat setup.log; exit 1; }
+meson compile -C build >compile.log 2>&1 || { cat compile.log; exit 1; }
+./build/consumer
