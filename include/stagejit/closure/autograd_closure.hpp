@@ -1,0 +1,193 @@
+#pragma once
+/// \file
+/// `MultiStageClosure` (one immutable `StageClosure` per stage of a traced graph) and
+/// `StageCall`, the autograd Function that runs stage k for one call (seed SPEC.md 3.10
+/// and 3.11, redesigned):
+///
+/// - A call of stage k feeds its inputs, the earlier-stage values it was primed with and
+///   the ConstantFactory into the stage's roots, runs them on the engine (no grad mode:
+///   the backward of compiled code is the next compiled stage, not eager autograd) and
+///   collects the Output.
+/// - Its outputs that required grad when traced get, as grad_fn, the closure of stage
+///   k+1 primed with only the cross-stage values a later stage reads. Its
+///   next_functions are the gradient edges, at call time, of the inputs (of any earlier
+///   stage) that stage k+1's outputs are gradients of — so nothing depends on the order
+///   in which the seed appended inherited edges (SPEC 7, item 13).
+/// - After the last compiled stage the grad_fn is an `ErrorFunction` that runs (it has
+///   the edges) and throws "compiled only for K derivatives" (SPEC 7, item 14).
+/// - Undefined incoming gradients become zeros of the traced shape and dtype.
+/// - Outputs get a grad_fn only in grad mode (stage 0: the caller's; stage k >= 1: the
+///   backward's create_graph), as eager autograd does.
+
+#include <stagejit/autograd/engine.hpp>
+#include <stagejit/autograd/function.hpp>
+#include <stagejit/autograd/grad_mode.hpp>
+#include <stagejit/closure/plan.hpp>
+#include <stagejit/closure/stage_closure.hpp>
+#include <stagejit/core/error.hpp>
+#include <stagejit/ir/graph.hpp>
+#include <stagejit/trace/trace.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace stagejit::closure {
+
+/// Everything a call needs that does not change between calls.
+struct MultiStageClosure {
+  std::shared_ptr<ir::Graph> graph;
+  CrossStagePlan plan;
+  std::vector<StageClosure> stages;
+  std::vector<StageFlags> flags;                      ///< per stage, from the trace
+  std::vector<std::vector<std::size_t>> gradient_of;  ///< per stage, from the trace
+
+  /// Builds every stage's closure. `graph` is the optimised graph of `trace` (same
+  /// inputs and outputs). Throws `CompileError` (see StageClosure).
+  MultiStageClosure(std::shared_ptr<ir::Graph> g, const Trace& trace)
+      : graph(std::move(g)), plan(*graph) {
+    STAGEJIT_CHECK_AS(CompileError, trace.num_stages() == plan.num_stages(), "closure: trace has ",
+                      trace.num_stages(), " stages but the graph has ", plan.num_stages());
+    stages.reserve(plan.num_stages());
+    for (std::size_t s = 0; s < plan.num_stages(); ++s) {
+      stages.emplace_back(plan, s);
+      stages.back().install_handle_callbacks(plan);
+      flags.push_back(trace.flags(s));
+      gradient_of.push_back(trace.gradient_of(s));
+    }
+  }
+  std::size_t num_stages() const noexcept { return stages.size(); }
+};
+
+/// Runs stage `stage` of a MultiStageClosure for one call; see the file comment.
+class StageCall final : public ClosureImpl {
+ public:
+  StageCall(std::shared_ptr<const MultiStageClosure> desc, std::size_t stage,
+            std::vector<Variable> env_values, std::vector<std::shared_ptr<Function>> env_handles,
+            std::vector<Edge> input_edges)
+      : desc_(std::move(desc)), stage_(stage), env_values_(std::move(env_values)),
+        env_handles_(std::move(env_handles)), input_edges_(std::move(input_edges)) {
+    name_ = "CompiledStage" + std::to_string(stage_);
+  }
+
+  std::string_view name() const override { return name_; }
+
+  /// Runs the stage on `inputs` (one per stage input). Throws `Error` naming the stage and
+  /// input for a wrong count, `ShapeError` for a shape or dtype other than traced.
+  variable_list apply(variable_list inputs) override {
+    const auto& d = *desc_;
+    const auto& sc = d.stages[stage_];
+    const auto& stage_inputs = d.plan.stage_inputs(stage_);
+    STAGEJIT_CHECK(inputs.size() == stage_inputs.size(), "compiled stage ", stage_, " expects ",
+                   stage_inputs.size(), " inputs, got ", inputs.size());
+    variable_list leaves;
+    leaves.reserve(sc.roots.size());
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      const auto* type = stage_inputs[i]->tensor_type();
+      if (!inputs[i].defined()) {
+        // Undefined gradient: zeros of the traced shape.
+        STAGEJIT_CHECK(type, "compiled stage ", stage_, ": input ", i, " is undefined and its "
+                       "traced type is unknown");
+        leaves.emplace_back(at::zeros(type->sizes, at::TensorOptions().dtype(type->dtype)));
+        continue;
+      }
+      if (type && stage_ > 0) {
+        STAGEJIT_CHECK_AS(ShapeError, inputs[i].sizes() == at::IntArrayRef(type->sizes) &&
+                                          inputs[i].scalar_type() == type->dtype,
+                          "compiled stage ", stage_, ": input ", i, " has shape ",
+                          inputs[i].sizes(), " and dtype ", inputs[i].scalar_type(),
+                          ", traced with ", at::IntArrayRef(type->sizes), " and ", type->dtype);
+      }
+      leaves.emplace_back(inputs[i].data());
+    }
+    for (std::size_t slot : sc.prev_slots)
+      leaves.push_back(slot < env_values_.size() ? Variable(env_values_[slot].data()) : Variable());
+    leaves.emplace_back();  // the ConstantFactory's single undefined input
+
+    CallState state;
+    state.values.resize(d.plan.num_slots());
+    state.handles = env_handles_;
+    state.handles.resize(d.plan.num_slots());
+    ExecuteCallbacks callbacks = sc.callbacks;
+    callbacks.state = &state;
+    {
+      ExecuteOptions options;
+      options.create_graph = false;
+      options.keep_graph = true;
+      execute(sc.roots, leaves, options, callbacks);
+    }
+    variable_list outs = std::move(state.outputs);
+    outs.resize(sc.num_outputs);
+
+    // Edges of every graph input up to this stage, for the next stage's outputs.
+    std::vector<Edge> edges = input_edges_;
+    for (const auto& in : inputs) edges.push_back(in.requires_grad() ? in.gradient_edge() : Edge{});
+
+    const auto& out_flags = d.flags[stage_].outputs;
+    std::shared_ptr<Function> grad_fn;
+    if (GradMode::is_enabled()) {
+      bool any = false;
+      for (std::size_t i = 0; i < outs.size() && i < out_flags.size(); ++i)
+        any = any || (out_flags[i].requires_grad && outs[i].defined());
+      bool any_edge = false;
+      for (const auto& e : edges) any_edge = any_edge || e.is_valid();
+      if (any && any_edge) grad_fn = make_next(state, edges);
+    }
+    variable_list result;
+    result.reserve(outs.size());
+    uint32_t next_input = 0;
+    for (std::size_t i = 0; i < outs.size(); ++i) {
+      bool rg = i < out_flags.size() && out_flags[i].requires_grad;
+      if (!outs[i].defined()) {
+        result.emplace_back();
+        if (rg) ++next_input;
+        continue;
+      }
+      if (rg && grad_fn) {
+        result.emplace_back(outs[i].data(), Edge{grad_fn, next_input});
+      } else {
+        result.emplace_back(outs[i].data());
+      }
+      if (rg) ++next_input;
+    }
+    return result;
+  }
+
+ private:
+  std::shared_ptr<Function> make_next(CallState& state, const std::vector<Edge>& edges) {
+    const auto& d = *desc_;
+    const std::size_t next = stage_ + 1;
+    uint32_t num_grads = 0;
+    for (const auto& f : d.flags[stage_].outputs) num_grads += f.requires_grad ? 1 : 0;
+    if (next >= d.num_stages()) {
+      std::vector<Edge> live;
+      for (const auto& e : edges)
+        if (e.is_valid()) live.push_back(e);
+      return make_function(ErrorFunction{"stagejit: the function was compiled only for " +
+                                         std::to_string(d.num_stages() - 1) +
+                                         " derivatives; trace more with "
+                                         "CompileOptions::derivatives"},
+                           std::move(live), num_grads);
+    }
+    std::vector<Variable> values(d.plan.num_slots());
+    std::vector<std::shared_ptr<Function>> handles(d.plan.num_slots());
+    for (std::size_t slot : d.plan.needed_after(stage_)) {
+      if (state.values[slot].defined()) values[slot] = state.values[slot];
+      else if (slot < env_values_.size()) values[slot] = env_values_[slot];
+      if (slot < state.handles.size() && state.handles[slot]) handles[slot] = state.handles[slot];
+    }
+    std::vector<Edge> next_edges;
+    for (std::size_t gi : d.gradient_of[next]) next_edges.push_back(gi < edges.size() ? edges[gi] : Edge{});
+    auto impl = std::make_shared<StageCall>(desc_, next, std::move(values), std::move(handles), edges);
+    return make_function(ClosureFunction{std::move(impl)}, std::move(next_edges), num_grads);
+  }
+
+  std::shared_ptr<const MultiStageClosure> desc_;
+  std::size_t stage_;
+  std::vector<Variable> env_values_;
+  std::vector<std::shared_ptr<Function>> env_handles_;
+  std::vector<Edge> input_edges_;
+  std::string name_;
+};
+
+}  // namespace stagejit::closure

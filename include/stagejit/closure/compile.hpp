@@ -1,0 +1,137 @@
+#pragma once
+/// \file
+/// `compile()`: a traced, optimised, staged closure behind a cache keyed on the argument
+/// spec (API.md "Compiling"; the seed's CompiledFunction, SPEC.md 2.7, with a trace cache
+/// that retraces on a new spec instead of erroring).
+///
+/// A miss traces `fn` with `derivatives` backward stages, runs the passes (DCE and CSE
+/// when `optimize`), builds the stage closures and serves the call from them; a hit
+/// reuses them. Calls are thread-safe: the cache is guarded by a mutex (a miss traces
+/// outside it; two threads missing on one spec may both trace, and the first to finish
+/// is kept), and every call's state lives in the call.
+
+#include <stagejit/autograd/grad_mode.hpp>
+#include <stagejit/closure/autograd_closure.hpp>
+#include <stagejit/core/arg_spec.hpp>
+#include <stagejit/core/error.hpp>
+#include <stagejit/passes/cse.hpp>
+#include <stagejit/passes/dce.hpp>
+#include <stagejit/trace/trace.hpp>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+namespace stagejit {
+
+/// Options of `compile`.
+struct CompileOptions {
+  /// Backward stages traced and compiled after the forward (k: derivatives up to order k).
+  int derivatives = 1;
+  /// Run DCE and CSE on the traced graph.
+  bool optimize = true;
+  /// Fuse elementwise chains into kernels (takes effect once the fuser is built in).
+  bool fuse = true;
+};
+
+/// A function compiled by `compile`. Copies share one cache.
+class CompiledFunction {
+ public:
+  struct Stats {
+    std::size_t hits = 0;
+    std::size_t misses = 0;
+  };
+
+  CompiledFunction(traced_fn fn, CompileOptions options)
+      : state_(std::make_shared<State>(std::move(fn), options)) {
+    STAGEJIT_CHECK(options.derivatives >= 0, "compile: derivatives must be >= 0, got ",
+                   options.derivatives);
+  }
+
+  /// Runs the compiled stage 0 on `inputs` (tracing and compiling first on a new spec).
+  /// Outputs that require grad carry the compiled stage 1 as grad_fn. Throws what
+  /// `trace` and the closure compiler throw on a miss; ShapeError / Error from ops.
+  variable_list operator()(const variable_list& inputs) {
+    auto entry = lookup(inputs);
+    std::vector<Edge> no_edges;
+    closure::StageCall call(entry->closure, 0, {}, {}, no_edges);
+    return call.apply(inputs);
+  }
+
+  /// The optimised graph used for inputs of this spec (compiling it if needed).
+  std::shared_ptr<const ir::Graph> graph_for(const variable_list& inputs) {
+    return lookup(inputs)->closure->graph;
+  }
+
+  /// Cache hits and misses so far.
+  Stats stats() const {
+    return Stats{state_->hits.load(), state_->misses.load()};
+  }
+  /// Drops every compiled closure (and resets nothing else).
+  void clear_cache() {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->cache.clear();
+  }
+
+ private:
+  struct Entry {
+    std::shared_ptr<const closure::MultiStageClosure> closure;
+  };
+  struct State {
+    State(traced_fn f, CompileOptions o) : fn(std::move(f)), options(o) {}
+    traced_fn fn;
+    CompileOptions options;
+    std::mutex mutex;
+    std::unordered_map<ArgSpec, std::shared_ptr<Entry>, ArgSpecHash> cache;
+    std::atomic<std::size_t> hits{0}, misses{0};
+  };
+
+  static ArgSpec spec_of(const variable_list& inputs) {
+    ArgSpec spec;
+    spec.inputs.reserve(inputs.size());
+    for (const auto& v : inputs)
+      spec.inputs.push_back(TensorSpec::of(v.data(), v.requires_grad() && GradMode::is_enabled()));
+    return spec;
+  }
+
+  std::shared_ptr<Entry> lookup(const variable_list& inputs) {
+    ArgSpec spec = spec_of(inputs);
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      auto it = state_->cache.find(spec);
+      if (it != state_->cache.end()) {
+        ++state_->hits;
+        return it->second;
+      }
+    }
+    ++state_->misses;
+    // Trace on leaves flagged as the spec says (no grad mode: nothing requires grad).
+    variable_list leaves;
+    for (std::size_t i = 0; i < inputs.size(); ++i)
+      leaves.push_back(inputs[i].defined() ? Variable(inputs[i].data(), spec.inputs[i].requires_grad)
+                                           : Variable());
+    const auto& o = state_->options;
+    Trace tr = trace(state_->fn, leaves, TraceOptions{o.derivatives});
+    std::shared_ptr<ir::Graph> g = tr.graph();
+    if (o.optimize) {
+      passes::eliminate_dead_code(*g);
+      passes::eliminate_common_subexpressions(*g);
+      passes::eliminate_dead_code(*g);
+    }
+    auto entry = std::make_shared<Entry>();
+    entry->closure = std::make_shared<closure::MultiStageClosure>(g, tr);
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    auto [it, inserted] = state_->cache.emplace(std::move(spec), entry);
+    return it->second;
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+/// Compiles `fn` (see the file comment and API.md "Compiling").
+inline CompiledFunction compile(traced_fn fn, CompileOptions options = {}) {
+  return CompiledFunction(std::move(fn), options);
+}
+
+}  // namespace stagejit

@@ -1,0 +1,108 @@
+#pragma once
+/// \file
+/// The cross-stage plan of a multi-stage graph (the seed's CrossStageStateDesc, SPEC.md
+/// 3.3, restated for Values and fixed for the cases the seed got wrong: values used two or
+/// more stages later (carried through the stages between, SPEC 7 item 15), stages left
+/// empty by DCE, graph outputs produced at an earlier stage (item 17)).
+///
+/// Note [Cross-stage slots]: every value that crosses a stage boundary (a tensor or a
+/// Handle produced at stage s and used at a stage t > s, by a node or as a graph output)
+/// gets one slot number. A call of stage s stores what it produces for later stages in
+/// its call state under those slots (captures); the closure of stage s+1 is primed with
+/// the slots still needed at a stage > s (and nothing else); stage t reads the slots it
+/// uses from that environment (previous-stage inputs).
+
+#include <stagejit/core/error.hpp>
+#include <stagejit/ir/graph.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <unordered_map>
+#include <vector>
+
+namespace stagejit::closure {
+
+class CrossStagePlan {
+ public:
+  /// Builds the plan. Throws `CompileError` naming the node when a node uses a value of a
+  /// later stage.
+  explicit CrossStagePlan(const ir::Graph& graph) : num_stages_(graph.num_stages()) {
+    const std::size_t S = num_stages_;
+    stage_nodes_.resize(S);
+    stage_inputs_.resize(S);
+    stage_outputs_.resize(S);
+    uses_from_earlier_.resize(S);
+    captures_.resize(S);
+    needed_after_.resize(S);
+    for (ir::Value* v : graph.inputs()) stage_inputs_.at(v->stage()).push_back(v);
+    for (std::size_t s = 0; s < S; ++s) stage_outputs_[s] = graph.stage_outputs(s);
+
+    auto note_use = [&](ir::Value* v, std::size_t user_stage, const char* what) {
+      std::size_t def = v->stage();
+      STAGEJIT_CHECK_AS(CompileError, def <= user_stage, what, " of stage ", user_stage,
+                        " uses %", v->id(), " of the later stage ", def);
+      if (def == user_stage) return;
+      std::size_t slot = slot_for(v);
+      auto& uses = uses_from_earlier_[user_stage];
+      if (std::find(uses.begin(), uses.end(), slot) == uses.end()) uses.push_back(slot);
+      auto& caps = captures_[def];
+      if (std::find(caps.begin(), caps.end(), slot) == caps.end()) caps.push_back(slot);
+      for (std::size_t s = def; s < user_stage; ++s) {
+        auto& need = needed_after_[s];
+        if (std::find(need.begin(), need.end(), slot) == need.end()) need.push_back(slot);
+      }
+    };
+    for (ir::Node* n : graph.nodes()) {
+      STAGEJIT_CHECK_AS(CompileError, n->stage() < S, "node ", n->describe(), " has stage ",
+                        n->stage(), " but the graph has ", S, " stages");
+      stage_nodes_[n->stage()].push_back(n);
+      for (ir::Value* in : n->inputs()) note_use(in, n->stage(), "node");
+    }
+    for (std::size_t s = 0; s < S; ++s)
+      for (ir::Value* out : stage_outputs_[s]) note_use(out, s, "an output");
+  }
+
+  std::size_t num_stages() const noexcept { return num_stages_; }
+  /// Nodes of stage s in topological order (may be empty).
+  const std::vector<ir::Node*>& stage_nodes(std::size_t s) const { return stage_nodes_.at(s); }
+  /// Graph inputs of stage s, in order.
+  const std::vector<ir::Value*>& stage_inputs(std::size_t s) const { return stage_inputs_.at(s); }
+  /// Graph outputs of stage s, in order.
+  const std::vector<ir::Value*>& stage_outputs(std::size_t s) const { return stage_outputs_.at(s); }
+  /// Slots of earlier-stage values stage s reads (tensors and Handles), in first-use order.
+  const std::vector<std::size_t>& uses_from_earlier(std::size_t s) const {
+    return uses_from_earlier_.at(s);
+  }
+  /// Slots of values stage s produces that a later stage reads.
+  const std::vector<std::size_t>& captures(std::size_t s) const { return captures_.at(s); }
+  /// Slots a closure of stage s+1 must be primed with (used at a stage > s, made at <= s).
+  const std::vector<std::size_t>& needed_after(std::size_t s) const { return needed_after_.at(s); }
+  /// Number of slots (Note [Cross-stage slots]).
+  std::size_t num_slots() const noexcept { return slot_values_.size(); }
+  /// The value of a slot.
+  ir::Value* slot_value(std::size_t slot) const { return slot_values_.at(slot); }
+  /// The slot of a cross-stage value, or -1.
+  std::ptrdiff_t slot_of(const ir::Value* v) const {
+    auto it = slots_.find(v);
+    return it == slots_.end() ? -1 : static_cast<std::ptrdiff_t>(it->second);
+  }
+
+ private:
+  std::size_t slot_for(ir::Value* v) {
+    auto [it, inserted] = slots_.emplace(v, slot_values_.size());
+    if (inserted) slot_values_.push_back(v);
+    return it->second;
+  }
+
+  std::size_t num_stages_;
+  std::vector<std::vector<ir::Node*>> stage_nodes_;
+  std::vector<std::vector<ir::Value*>> stage_inputs_;
+  std::vector<std::vector<ir::Value*>> stage_outputs_;
+  std::vector<std::vector<std::size_t>> uses_from_earlier_;
+  std::vector<std::vector<std::size_t>> captures_;
+  std::vector<std::vector<std::size_t>> needed_after_;
+  std::unordered_map<const ir::Value*, std::size_t> slots_;
+  std::vector<ir::Value*> slot_values_;
+};
+
+}  // namespace stagejit::closure

@@ -1,0 +1,137 @@
+#pragma once
+/// \file
+/// The reference interpreter: evaluates a traced multi-stage graph node by node, in the
+/// graph's topological order, eagerly through stagejit's op table (ATen calls with
+/// stagejit autograd bookkeeping), keeping the values of earlier stages. Handles are the
+/// opaque backward Functions made when a HostOp runs; an `Eval` node applies the
+/// Function its Handle input holds. It is the simple oracle that the closure compiler
+/// and the fuser are checked against; it is not fast.
+
+#include <stagejit/autograd/grad_mode.hpp>
+#include <stagejit/autograd/trace_hook.hpp>
+#include <stagejit/autograd/variable.hpp>
+#include <stagejit/core/error.hpp>
+#include <stagejit/ir/graph.hpp>
+#include <stagejit/ir/kinds.hpp>
+#include <stagejit/ops/op_def.hpp>
+#include <stagejit/trace/host_op_payload.hpp>
+#include <stagejit/trace/op_attributes.hpp>
+
+#include <memory>
+#include <unordered_map>
+#include <variant>
+#include <vector>
+
+namespace stagejit {
+
+/// Evaluates every stage of `graph` and returns all graph outputs, stage 0 first.
+///
+/// `inputs` gives one Variable per graph input (all stages, in `graph.inputs()` order);
+/// their requires_grad flags matter as they did when traced (they decide which opaque
+/// backwards exist and which gradients an `Eval` returns): pass the traced flags, e.g.
+/// `Trace::flags(s).inputs`. Tensor values must have the traced dtypes; shapes may
+/// differ where the graph does not bake them in.
+///
+/// Throws `CompileError` naming the node for: a graph input count mismatch, a HostOp
+/// without the tracer's payload (parsed text cannot be run), an Eval whose Handle holds
+/// no Function, an Eval returning another number of gradients than the node has outputs,
+/// FusionGroup / Transpose / Reshape / Gemm kinds it does not interpret; op errors
+/// (`ShapeError`, `Error`) propagate.
+inline variable_list interpret(const ir::Graph& graph, const variable_list& inputs) {
+  using RtValue = std::variant<Variable, std::shared_ptr<Function>>;
+  STAGEJIT_CHECK_AS(CompileError, inputs.size() == graph.inputs().size(), "interpret: graph has ",
+                    graph.inputs().size(), " inputs (all stages), given ", inputs.size());
+  AutoGradMode grad_on(true);
+  TraceHookGuard no_trace(nullptr);
+  std::unordered_map<const ir::Value*, RtValue> env;
+  for (std::size_t i = 0; i < inputs.size(); ++i)
+    env[graph.inputs()[i]] = inputs[i].defined()
+                                 ? Variable(inputs[i].data(), inputs[i].requires_grad())
+                                 : Variable();
+
+  auto var = [&](const ir::Node* n, ir::Value* v) -> Variable {
+    auto it = env.find(v);
+    STAGEJIT_CHECK_AS(CompileError, it != env.end(), "interpret: node ", n->describe(),
+                      " reads a value that was never computed");
+    const Variable* p = std::get_if<Variable>(&it->second);
+    STAGEJIT_CHECK_AS(CompileError, p, "interpret: node ", n->describe(),
+                      " expects a tensor input but got a Handle");
+    return *p;
+  };
+
+  for (ir::Node* n : graph.nodes()) {
+    variable_list in;
+    std::shared_ptr<Function> handle;
+    for (std::size_t i = 0; i < n->inputs().size(); ++i) {
+      ir::Value* v = n->inputs()[i];
+      if (v->is_handle()) {
+        auto it = env.find(v);
+        STAGEJIT_CHECK_AS(CompileError, it != env.end(), "interpret: node ", n->describe(),
+                          " reads a Handle that was never made");
+        auto* f = std::get_if<std::shared_ptr<Function>>(&it->second);
+        STAGEJIT_CHECK_AS(CompileError, f && *f, "interpret: node ", n->describe(),
+                          " received an empty Handle (the forward it stands for made no "
+                          "backward: did its inputs require grad as when traced?)");
+        handle = *f;
+      } else {
+        in.push_back(var(n, v));
+      }
+    }
+    variable_list out;
+    std::shared_ptr<Function> out_handle;
+    bool has_handle_out = !n->outputs().empty() && n->outputs().back()->is_handle();
+    std::visit(
+        [&](const auto& kind) {
+          using K = std::decay_t<decltype(kind)>;
+          if constexpr (std::is_same_v<K, ir::Constant>) {
+            out.push_back(Variable(kind.value.clone()));
+          } else if constexpr (std::is_same_v<K, ir::Undefined>) {
+            out.push_back(Variable());
+          } else if constexpr (std::is_same_v<K, ir::Op>) {
+            const OpDef& def = ops::get(kind.name);
+            out = ops::apply(def, in, detail::to_core_attributes(kind.attributes));
+          } else if constexpr (std::is_same_v<K, ir::HostOp>) {
+            auto payload = std::static_pointer_cast<HostOpPayload>(kind.payload);
+            STAGEJIT_CHECK_AS(CompileError, payload && payload->call, "interpret: HostOp ",
+                              n->describe(), " has no callable (only traced graphs can run "
+                              "host functions)");
+            out = payload->call(in);
+            if (has_handle_out) {
+              for (const auto& o : out)
+                if (o.defined() && o.grad_fn()) { out_handle = o.grad_fn(); break; }
+            }
+          } else if constexpr (std::is_same_v<K, ir::Eval>) {
+            STAGEJIT_CHECK_AS(CompileError, handle, "interpret: Eval ", n->describe(),
+                              " has no Handle input");
+            out = handle->apply(in);
+            if (has_handle_out) {
+              for (const auto& o : out)
+                if (o.defined() && o.grad_fn()) { out_handle = o.grad_fn(); break; }
+            }
+          } else {
+            detail::throw_error<CompileError>("interpret: node ", n->describe(),
+                                              " has a kind the reference interpreter does "
+                                              "not run");
+          }
+        },
+        n->kind());
+    std::size_t tensor_outputs = n->outputs().size() - (has_handle_out ? 1 : 0);
+    STAGEJIT_CHECK_AS(CompileError, out.size() == tensor_outputs, "interpret: node ",
+                      n->describe(), " produced ", out.size(), " values, the graph expects ",
+                      tensor_outputs);
+    for (std::size_t i = 0; i < tensor_outputs; ++i) env[n->outputs()[i]] = out[i];
+    if (has_handle_out) env[n->outputs().back()] = out_handle;
+  }
+  variable_list result;
+  for (ir::Value* v : graph.outputs()) {
+    auto it = env.find(v);
+    STAGEJIT_CHECK_AS(CompileError, it != env.end(), "interpret: graph output %", v->id(),
+                      " was never computed");
+    const Variable* p = std::get_if<Variable>(&it->second);
+    STAGEJIT_CHECK_AS(CompileError, p, "interpret: a graph output is a Handle");
+    result.push_back(*p);
+  }
+  return result;
+}
+
+}  // namespace stagejit

@@ -1,0 +1,105 @@
+#pragma once
+/// \file
+/// The multi-stage tracer (seed SPEC.md section 2; API.md "Tracing").
+///
+/// `trace(fn, inputs, {.derivatives = k})` runs `fn` once on fresh leaf Variables that
+/// share the inputs' tensors and records every op into one `ir::Graph` at stage 0 (the
+/// inputs become stage-0 Params). Then, for s = 1..k, it runs the backward of stage s-1:
+/// one new stage-s Param per stage s-1 output that requires grad (its grad output, filled
+/// with ones, requiring grad when s < k), and gradients of every earlier-stage input that
+/// requires grad, in graph-input order, computed with `create_graph = (s < k)`. Every op
+/// the backward formulas run is recorded at stage s; ops of stage s refer directly to
+/// values of earlier stages (cross-stage edges). The gradients are stage s's outputs
+/// (undefined gradients become `Undefined` nodes).
+///
+/// Values that enter the trace without being inputs (tensors made inside `fn`) become
+/// `Constant` nodes holding a clone taken when first seen. A non-traceable host function
+/// becomes one `HostOp` node whose last output is a Handle; when its backward runs at the
+/// next stage the tracer records an `Eval` node consuming that Handle, itself with a
+/// Handle output when its own backward is opaque and a further stage is traced.
+///
+/// Tracing is thread-local: the hook is installed on the calling thread and the engine
+/// carries it to the thread running each backward function (the backward stages run
+/// single-threaded so the recorded order is deterministic). Ops run elsewhere are not
+/// affected and pay one thread-local pointer check.
+
+#include <stagejit/autograd/function.hpp>
+#include <stagejit/autograd/variable.hpp>
+#include <stagejit/ir/graph.hpp>
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace stagejit {
+
+/// How many backward stages `trace` records after the forward.
+struct TraceOptions {
+  int derivatives = 0;
+};
+
+/// A function traced by `trace` and compiled by `compile`.
+using traced_fn = std::function<variable_list(const variable_list&)>;
+
+/// What the trace saw of one Variable (SPEC 2.1 VariableFlags without `volatile`).
+struct VariableFlags {
+  bool defined = false;
+  bool requires_grad = false;
+  static VariableFlags of(const Variable& v) { return {v.defined(), v.requires_grad()}; }
+  /// True when `v` has the same flags (the closure compiler's input check).
+  bool matches(const Variable& v) const { return of(v) == *this; }
+  friend bool operator==(const VariableFlags&, const VariableFlags&) = default;
+};
+
+/// Per stage: flags of the stage's inputs (stage 0: the traced inputs; s >= 1: the grad
+/// outputs fed to it) and of its outputs (SPEC 2.5).
+struct StageFlags {
+  std::vector<VariableFlags> inputs;
+  std::vector<VariableFlags> outputs;
+};
+
+/// The result of `trace`: the graph, the eager results of each stage and the per-stage
+/// bookkeeping the closure compiler needs.
+class Trace {
+ public:
+  /// The recorded multi-stage graph (lints).
+  const std::shared_ptr<ir::Graph>& graph() const noexcept { return graph_; }
+  /// The stage-0 outputs, computed eagerly while tracing.
+  const variable_list& outputs() const noexcept { return stage_outputs_.at(0); }
+  /// The outputs of stage `s` (the gradients it returned while tracing).
+  const variable_list& stage_outputs(std::size_t s) const { return stage_outputs_.at(s); }
+  /// The inputs fed to stage `s` while tracing (stage 0: the traced leaves).
+  const variable_list& stage_inputs(std::size_t s) const { return stage_inputs_.at(s); }
+  /// Number of stages (derivatives + 1).
+  std::size_t num_stages() const noexcept { return flags_.size(); }
+  /// Input and output flags of stage `s` (SPEC 2.5).
+  const StageFlags& flags(std::size_t s) const { return flags_.at(s); }
+  /// For s >= 1: the autograd edges stage s's outputs flow into at trace time (the
+  /// gradient edges of the earlier-stage inputs they are gradients of), aligned with the
+  /// stage's outputs. Empty for stage 0 (SPEC 2.5).
+  const std::vector<Edge>& output_edges(std::size_t s) const { return output_edges_.at(s); }
+  /// For s >= 1: the index in `graph()->inputs()` of the input each output of stage s is
+  /// the gradient of.
+  const std::vector<std::size_t>& gradient_of(std::size_t s) const { return gradient_of_.at(s); }
+
+ private:
+  friend Trace trace(const traced_fn&, const variable_list&, TraceOptions);
+  std::shared_ptr<ir::Graph> graph_;
+  std::vector<variable_list> stage_outputs_;
+  std::vector<variable_list> stage_inputs_;
+  std::vector<StageFlags> flags_;
+  std::vector<std::vector<Edge>> output_edges_;
+  std::vector<std::vector<std::size_t>> gradient_of_;
+};
+
+/// Traces `fn` on `inputs` with `options.derivatives` backward stages (see the file
+/// comment). Throws `TraceError` when an output of `fn` has no data dependence on the
+/// traced values, when `fn` returns no outputs, when an opaque backward runs whose
+/// forward was not traced, and `Error` when `options.derivatives` is negative. Errors
+/// thrown by `fn` propagate unchanged; the thread's hook is restored in every case.
+Trace trace(const traced_fn& fn, const variable_list& inputs, TraceOptions options = {});
+
+}  // namespace stagejit
+
+#include <stagejit/trace/detail/tracer_impl.hpp>

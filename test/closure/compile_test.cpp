@@ -1,0 +1,307 @@
+// compile(): staged closures checked against stagejit eager and libtorch's autograd at
+// orders 0..3, plus the bug-log cases of the seed era (issue 5).
+#include <stagejit/stagejit.hpp>
+#include <stagejit/testing/doctest.hpp>
+
+#include "../support/models.hpp"
+#include "../support/staged_oracle.hpp"
+
+#include <thread>
+
+namespace sj = stagejit;
+using sj::testing::libtorch_stages;
+using sj::testing::max_abs_diff;
+
+namespace {
+
+at::Tensor rand_d(std::vector<int64_t> shape) { return at::randn(shape, at::kDouble); }
+
+// Runs the compiled function and then, stage by stage, the compiled backward with
+// grad outputs of ones (create_graph while a further stage follows), exactly as
+// libtorch_stages does with libtorch; compares every stage within 1e-10.
+template <class SjFn, class TorchFn>
+void check_compiled(SjFn sj_fn, TorchFn torch_fn, const std::vector<at::Tensor>& data,
+                    const std::vector<bool>& rg, int k) {
+  CAPTURE(k);
+  auto oracle = libtorch_stages(torch_fn, data, rg, k);
+  auto f = sj::compile(sj_fn, {.derivatives = k});
+  for (int call = 0; call < 2; ++call) {  // the second call is served from the cache
+    CAPTURE(call);
+    sj::variable_list inputs;
+    for (std::size_t i = 0; i < data.size(); ++i) inputs.emplace_back(data[i], rg[i]);
+    sj::variable_list all_inputs = inputs;
+    sj::variable_list outs = f(inputs);
+    REQUIRE(outs.size() == oracle.outputs[0].size());
+    for (std::size_t i = 0; i < outs.size(); ++i)
+      CHECK(max_abs_diff(outs[i].data(), oracle.outputs[0][i]) <= 1e-10);
+    for (int s = 1; s <= k; ++s) {
+      CAPTURE(s);
+      sj::variable_list roots, grads_in;
+      for (auto& o : outs)
+        if (o.defined() && o.requires_grad()) {
+          roots.push_back(o);
+          grads_in.emplace_back(at::ones_like(o.data()), s < k);
+        }
+      sj::variable_list wrt;
+      for (auto& v : all_inputs)
+        if (v.requires_grad()) wrt.push_back(v);
+      sj::variable_list res = sj::grad(roots, wrt, grads_in, /*create_graph=*/s < k,
+                                       /*allow_unused=*/true);
+      const auto& expected = oracle.outputs[s];
+      REQUIRE(res.size() == expected.size());
+      for (std::size_t i = 0; i < res.size(); ++i) {
+        CAPTURE(i);
+        if (!expected[i].defined()) {
+          // libtorch reports no dependence; stagejit may materialise zeros.
+          if (res[i].defined()) CHECK(res[i].data().abs().max().item<double>() == 0.0);
+        } else {
+          CHECK(max_abs_diff(res[i].data(), expected[i]) <= 1e-10);
+        }
+      }
+      for (auto& g : grads_in) all_inputs.push_back(g);
+      outs = res;
+    }
+  }
+  CHECK(f.stats().misses == 1);
+  CHECK(f.stats().hits == 1);
+}
+
+struct MulConstant : sj::HostFunction<MulConstant> {
+  static sj::Variable forward(sj::HostContext* ctx, sj::Variable x, double c) {
+    ctx->saved_data["c"] = c;
+    return sj::Variable(x.data() * c);
+  }
+  static sj::variable_list backward(sj::HostContext* ctx, sj::variable_list grads) {
+    return {grads[0] * std::get<double>(ctx->saved_data.at("c"))};
+  }
+};
+struct Mul : sj::HostFunction<Mul> {
+  static sj::Variable forward(sj::HostContext* ctx, sj::Variable x, sj::Variable y) {
+    ctx->save_for_backward({x, y});
+    return sj::Variable(x.data() * y.data());
+  }
+  static sj::variable_list backward(sj::HostContext* ctx, sj::variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    return {grads[0] * s[1], grads[0] * s[0]};
+  }
+};
+
+}  // namespace
+
+TEST_SUITE("closure") {
+  TEST_CASE("tanh MLP compiled, orders 0..3") {
+    at::manual_seed(11);
+    std::vector<at::Tensor> data = {rand_d({3, 4}), rand_d({4, 5}), rand_d({5}), rand_d({5, 2})};
+    for (int k = 0; k <= 3; ++k)
+      check_compiled(sj::testing::tanh_mlp<sj::Variable>, sj::testing::tanh_mlp<torch::Tensor>,
+                     data, {false, true, true, true}, k);
+  }
+
+  TEST_CASE("LSTM cell compiled, orders 0..3") {
+    at::manual_seed(12);
+    std::vector<at::Tensor> data = {rand_d({2, 3}), rand_d({2, 4}), rand_d({2, 4}),
+                                    rand_d({16, 3}), rand_d({16, 4}), rand_d({16})};
+    for (int k = 0; k <= 3; ++k)
+      check_compiled(sj::testing::lstm_cell<sj::Variable>, sj::testing::lstm_cell<torch::Tensor>,
+                     data, {true, true, true, true, true, true}, k);
+  }
+
+  TEST_CASE("log_softmax + nll_loss (via cross_entropy and where) compiled, orders 0..3") {
+    at::manual_seed(13);
+    auto target = at::tensor({1, 0, 3}, at::kLong);
+    auto sj_fn = [target](const sj::variable_list& in) {
+      return sj::testing::classifier_loss(in, sj::Variable(target));
+    };
+    auto torch_fn = [target](const std::vector<torch::Tensor>& in) {
+      return sj::testing::classifier_loss(in, target);
+    };
+    std::vector<at::Tensor> data = {rand_d({3, 4}), rand_d({3, 4})};
+    for (int k = 0; k <= 3; ++k) check_compiled(sj_fn, torch_fn, data, {true, true}, k);
+  }
+
+  TEST_CASE("an output used twice, a constant, an undefined gradient") {
+    auto c = at::tensor({0.5, -1.5}, at::kDouble);
+    auto sj_fn = [c](const sj::variable_list& in) -> sj::variable_list {
+      auto y = sj::tanh(in[0]) * sj::Variable(c);
+      return {y * y + y, in[1] * 2.0};  // y used twice; in[1] unrelated to output 0
+    };
+    auto torch_fn = [c](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
+      auto y = at::tanh(in[0]) * c;
+      return {y * y + y, in[1] * 2.0};
+    };
+    std::vector<at::Tensor> data = {at::tensor({0.3, -0.7}, at::kDouble),
+                                    at::tensor({1.0, 2.0}, at::kDouble)};
+    for (int k = 0; k <= 3; ++k) check_compiled(sj_fn, torch_fn, data, {true, true}, k);
+  }
+
+  TEST_CASE("seed example: MulConstant and Mul host functions, Handles two stages later") {
+    auto sj_fn = [](const sj::variable_list& in) -> sj::variable_list {
+      return {Mul::apply(MulConstant::apply(in[1], 2.0), in[0])};
+    };
+    auto torch_fn = [](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
+      return {(in[1] * 2.0) * in[0]};
+    };
+    std::vector<at::Tensor> data = {at::tensor({1.5, -2.0}, at::kDouble),
+                                    at::tensor({0.5, 3.0}, at::kDouble)};
+    for (int k = 0; k <= 2; ++k) check_compiled(sj_fn, torch_fn, data, {true, true}, k);
+  }
+
+  TEST_CASE("bug log: x^5 at 1 with 2 derivatives gives 5 and 20; with 1, the second throws") {
+    auto f2 = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::pow(in[0], 5.0)};
+    }, {.derivatives = 2});
+    auto x = sj::Variable(at::tensor({1.0}, at::kDouble), true);
+    auto y = f2({x})[0];
+    auto g = sj::grad({y}, {x}, {}, /*create_graph=*/true)[0];
+    CHECK(g.data().item<double>() == 5.0);
+    auto gg = sj::grad({g}, {x})[0];
+    CHECK(gg.data().item<double>() == 20.0);
+
+    auto f1 = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::pow(in[0], 5.0)};
+    }, {.derivatives = 1});
+    auto y1 = f1({x})[0];
+    auto g1 = sj::grad({y1}, {x}, {}, /*create_graph=*/true)[0];
+    CHECK(g1.data().item<double>() == 5.0);
+    CHECK_THROWS_WITH_AS(sj::grad({g1}, {x}), doctest::Contains("compiled only for 1 derivatives"),
+                         sj::Error);
+  }
+
+  TEST_CASE("bug log: two outputs both used by a loss outside count both paths") {
+    auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      auto a = in[0] * 2.0;
+      auto b = a * 3.0;
+      return {a, b};
+    });
+    auto x = sj::Variable(at::tensor({1.0, 2.0}, at::kDouble), true);
+    auto out = f({x});
+    auto L = sj::sum(out[0]) * 10.0 + sj::sum(out[1]);
+    L.backward();
+    CHECK(at::equal(x.grad().data(), at::tensor({26.0, 26.0}, at::kDouble)));
+  }
+
+  TEST_CASE("bug log: the same Variable in two input slots adds its gradients") {
+    auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::sum(in[0] * in[1] + in[0])};
+    });
+    auto x = sj::Variable(at::tensor({1.0, 3.0}, at::kDouble), true);
+    auto g = sj::grad(f({x, x}), {x})[0];
+    CHECK(at::allclose(g.data(), at::tensor({3.0, 7.0}, at::kDouble), 0, 0));
+  }
+
+  TEST_CASE("bug log: flipping requires_grad between calls is a new spec, gradients correct") {
+    auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::sum(in[0] * in[1])};
+    });
+    auto a = sj::Variable(at::tensor({1.0, 2.0}, at::kDouble), true);
+    auto b = sj::Variable(at::tensor({3.0, 4.0}, at::kDouble), false);
+    sj::backward(f({a, b}));
+    CHECK(at::equal(a.grad().data(), b.data()));
+    CHECK_FALSE(b.grad().defined());
+    auto a2 = sj::Variable(a.data(), false);
+    auto b2 = sj::Variable(b.data(), true);
+    sj::backward(f({a2, b2}));
+    CHECK(at::equal(b2.grad().data(), a.data()));
+    CHECK_FALSE(a2.grad().defined());
+    CHECK(f.stats().misses == 2);
+  }
+
+  TEST_CASE("bug log: a shape change re-traces") {
+    auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::sum(sj::reshape(in[0], {-1}) * 2.0)};
+    });
+    auto x1 = sj::Variable(at::ones({2, 3}, at::kDouble), true);
+    auto x2 = sj::Variable(at::ones({4, 5}, at::kDouble), true);
+    CHECK(f({x1})[0].data().item<double>() == 12.0);
+    CHECK(f({x2})[0].data().item<double>() == 40.0);
+    auto g = sj::grad(f({x2}), {x2})[0];
+    CHECK(g.sizes() == at::IntArrayRef({4, 5}));
+    CHECK(f.stats().misses == 2);
+    CHECK(f.stats().hits == 1);
+  }
+
+  TEST_CASE("bug log: 1000 calls with backward give identical results") {
+    auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::sum(sj::tanh(in[0]) * in[1])};
+    });
+    auto xd = at::tensor({0.1, 0.2, -0.3}, at::kDouble);
+    auto wd = at::tensor({1.0, -2.0, 0.5}, at::kDouble);
+    at::Tensor first_y, first_g;
+    for (int i = 0; i < 1000; ++i) {
+      auto x = sj::Variable(xd, true);
+      auto y = f({x, sj::Variable(wd)})[0];
+      auto g = sj::grad({y}, {x})[0];
+      if (i == 0) {
+        first_y = y.data().clone();
+        first_g = g.data().clone();
+      } else if (!at::equal(y.data(), first_y) || !at::equal(g.data(), first_g)) {
+        FAIL("call ", i, " differs from the first");
+      }
+    }
+    CHECK(f.stats().misses == 1);
+  }
+
+  TEST_CASE("concurrency: 8 threads x 200 calls with backward, each checking its own results") {
+    auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::sum(sj::sigmoid(in[0] * in[1]))};
+    });
+    std::atomic<int> failures{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 8; ++t) {
+      threads.emplace_back([&, t] {
+        auto xd = at::full({5}, 0.1 * (t + 1), at::kDouble);
+        auto wd = at::linspace(-1.0, 1.0, 5, at::kDouble);
+        auto s = at::sigmoid(xd * wd);
+        auto expected_g = s * (1 - s) * wd;
+        auto expected_y = s.sum();
+        for (int i = 0; i < 200; ++i) {
+          auto x = sj::Variable(xd, true);
+          auto y = f({x, sj::Variable(wd)})[0];
+          auto g = sj::grad({y}, {x})[0];
+          if (!at::allclose(y.data(), expected_y, 1e-14, 1e-14) ||
+              !at::allclose(g.data(), expected_g, 1e-14, 1e-14))
+            ++failures;
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    CHECK(failures == 0);
+  }
+
+  TEST_CASE("memory: captured tensors are freed when outputs are dropped (backward or not)") {
+    auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::sum(sj::tanh(in[0]) * sj::exp(in[0]))};
+    });
+    auto x = sj::Variable(at::randn({64}, at::kDouble), true);
+    (void)f({x});  // compile once
+    std::weak_ptr<stagejit::Function> weak_fn;
+    {
+      auto y = f({x})[0];
+      weak_fn = y.grad_fn();
+      CHECK_FALSE(weak_fn.expired());
+    }
+    CHECK(weak_fn.expired());  // never backpropagated: the closure and its captures are gone
+    {
+      auto y = f({x})[0];
+      weak_fn = y.grad_fn();
+      sj::backward({y});
+    }
+    CHECK(weak_fn.expired());
+  }
+
+  TEST_CASE("graph_for returns the optimised graph; it lints and has both stages") {
+    auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      auto a = sj::tanh(in[0]);
+      auto b = sj::tanh(in[0]);  // CSE removes the duplicate
+      return {sj::sum(a * b)};
+    });
+    auto x = sj::Variable(at::ones({3}, at::kDouble), true);
+    auto g = f.graph_for({x});
+    CHECK_NOTHROW(sj::ir::lint(*g));
+    CHECK(g->num_stages() == 2);
+    int tanhs = 0;
+    for (auto* n : g->nodes())
+      if (auto* op = n->get_if<sj::ir::Op>(); op && op->name == "tanh") ++tanhs;
+    CHECK(tanhs == 1);
+  }
+}
