@@ -5,3 +5,6 @@
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/scalar.hpp>
 #include <stagejit/core/version.hpp>
+#include <stagejit/ir/ir.hpp>
+#include <stagejit/passes/cse.hpp>
+#include <stagejit/passes/dce.hpp>
