@@ -26,7 +26,11 @@ int main(int argc, char** argv) {
   app.add_option("--passes", passes, "passes to run in order: dce, cse")
       ->delimiter(',')
       ->check(CLI::IsMember({"dce", "cse"}));
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 1;  // --help: 0; usage errors: 1
+  }
 
   std::ifstream in(file, std::ios::binary);
   if (!in) {
