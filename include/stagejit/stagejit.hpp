@@ -5,3 +5,7 @@
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/scalar.hpp>
 #include <stagejit/core/version.hpp>
+#include <stagejit/fusion/kernel_spec.hpp>
+#include <stagejit/fusion/tensor_args.hpp>
+#include <stagejit/fusion/cpu_backend.hpp>
+#include <stagejit/fusion/cuda_backend.hpp>
