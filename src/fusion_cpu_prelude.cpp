@@ -3,6 +3,8 @@
 
 namespace stagejit::fusion {
 
+static_assert(kMaxDims == 8, "the preludes declare stagejit_TensorArg with 8 dimensions");
+
 const std::string& cpu_prelude() {
   static const std::string text = R"PRELUDE(// ---- stagejit CPU kernel prelude ----
 #include <cstdint>

@@ -19,6 +19,8 @@
 
 namespace stagejit::fusion {
 
+static_assert(kMaxCudaArgs == 24, "the CUDA prelude declares stagejit_ArgPack with 24 tensors");
+
 const std::string& cuda_prelude() {
   static const std::string text = R"PRELUDE(// ---- stagejit CUDA kernel prelude ----
 /// Same layout as stagejit::fusion::TensorArg: element pointer, sizes, element strides.

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <thread>
 
@@ -73,6 +74,12 @@ void check_close(const at::Tensor& got, const at::Tensor& want) {
       worst = std::max(worst, ulp_distance(g.data_ptr<float>()[i], w.data_ptr<float>()[i]));
     } else {
       const double x = g.data_ptr<double>()[i], y = w.data_ptr<double>()[i];
+      if (std::isnan(x) || std::isnan(y) || std::isinf(x) || std::isinf(y)) {
+        // Non-finite values must match exactly (NaN with NaN, inf with the same inf).
+        const bool same = (std::isnan(x) && std::isnan(y)) || x == y;
+        if (!same) worst_d = std::numeric_limits<double>::infinity();
+        continue;
+      }
       worst_d = std::max(worst_d, std::abs(x - y) / std::max(1.0, std::abs(y)));
     }
   }
@@ -173,6 +180,25 @@ TEST_SUITE("fusion") {
         check_close(out, eager_tanh_sigmoid(a, b, c));
       }
       {
+      INFO("ranges starting mid-row, as parallel_for may split them");
+      at::Tensor a = gen({5, 7, 9}).permute({2, 0, 1}), b = gen({9, 1, 7}), c = gen({7});
+      const std::vector<int64_t> shape{9, 5, 7};
+      at::Tensor out = at::empty(shape, opt);
+      PackedArgs p = pack_tensor_args(shape, {a, b, c}, {out});
+      REQUIRE(p.rank == 3);
+      for (int64_t begin = 0, step = 1; begin < p.numel; begin += step, step = step * 3 % 17 + 1)
+        kernel->entry_fn()(begin, std::min(p.numel, begin + step), p.rank, p.args.data());
+      check_close(out, eager_tanh_sigmoid(a, b, c));
+    }
+    {
+      INFO("special values: NaN, infinities, large magnitudes");
+      const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
+      at::Tensor a = at::tensor({nan, inf, -inf, 50.0, -50.0, 1e4, -100.0, 0.0, -0.0, 1.5}, opt);
+      at::Tensor b = at::tensor({1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, nan}, opt);
+      at::Tensor c = at::tensor({0.0, -inf, inf, 0.0, 2.0, 0.0, 0.0, inf, 0.0, 0.0}, opt);
+      check_close(run3(*kernel, a, b, c), eager_tanh_sigmoid(a, b, c));
+    }
+    {
       INFO("0-dim");
         at::Tensor a = gen({}), b = gen({}), c = gen({});
         check_close(run3(*kernel, a, b, c), eager_tanh_sigmoid(a, b, c));
