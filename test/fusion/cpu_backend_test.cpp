@@ -7,6 +7,8 @@
 
 #include "kernels.hpp"
 
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -15,7 +17,10 @@
 #include <filesystem>
 #include <limits>
 #include <fstream>
+#include <sstream>
 #include <thread>
+
+extern char** environ;
 
 namespace fs = std::filesystem;
 using namespace stagejit::fusion;
@@ -95,7 +100,55 @@ at::Tensor run3(const CpuKernel& kernel, const at::Tensor& a, const at::Tensor& 
   return out;
 }
 
+
+/// Runs this test executable's "fusion-child" case in a new process with the cache in
+/// `dir`; returns what the child wrote: "<compiles> <disk_hits> <ok>".
+std::string run_child(const fs::path& dir) {
+  const fs::path out = dir / "child-report.txt";
+  fs::remove(out);
+  const std::string exe = fs::read_symlink("/proc/self/exe").string();
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e; ++e) {
+    const std::string kv = *e;
+    if (kv.rfind("STAGEJIT_FUSION_CACHE_DIR=", 0) != 0 && kv.rfind("STAGEJIT_FUSION_CHILD_REPORT=", 0) != 0)
+      env_strings.push_back(kv);
+  }
+  env_strings.push_back("STAGEJIT_FUSION_CACHE_DIR=" + dir.string());
+  env_strings.push_back("STAGEJIT_FUSION_CHILD_REPORT=" + out.string());
+  std::vector<char*> envp;
+  for (auto& kv : env_strings) envp.push_back(kv.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> args = {exe, "--test-suite=fusion-child", "--no-intro", "--no-version"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  REQUIRE(posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv.data(), envp.data()) == 0);
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  std::ifstream in(out);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
 }  // namespace
+
+TEST_SUITE("fusion-child") {
+  // Not a suite of its own: the body of the cross-process cache test, run in a child.
+  TEST_CASE("load the tanh/sigmoid kernel through the default backend and report") {
+    const char* report = std::getenv("STAGEJIT_FUSION_CHILD_REPORT");
+    if (!report) return;
+    auto kernel = default_cpu_backend().get(tanh_sigmoid(at::kFloat));
+    at::Tensor a = at::randn({333}), b = at::randn({333}), c = at::randn({333});
+    const at::Tensor got = run3(*kernel, a, b, c), want = eager_tanh_sigmoid(a, b, c);
+    const bool ok = at::allclose(got, want, 1e-6, 1e-6);
+    const auto st = default_cpu_backend().stats();
+    std::ofstream(report) << st.compiles << ' ' << st.disk_hits << ' ' << ok;
+  }
+}
 
 TEST_SUITE("fusion") {
   TEST_CASE("KernelKey describes dtype, rank and contiguity of each tensor") {
@@ -258,6 +311,12 @@ extern "C" void mixed(int64_t begin, int64_t end, int32_t rank, const stagejit_T
     CHECK(second.stats().disk_hits == 1);
     at::Tensor a = at::randn({100}), b = at::randn({100}), c = at::randn({100});
     check_close(run3(*kernel, a, b, c), eager_tanh_sigmoid(a, b, c));
+  }
+
+  TEST_CASE("the disk cache is reused by a second process") {
+    TempDir dir;
+    CHECK(run_child(dir.path) == "1 0 1");  // first process compiles
+    CHECK(run_child(dir.path) == "0 1 1");  // second process loads from disk
   }
 
   TEST_CASE("a corrupt or truncated cache entry is detected and rebuilt") {
