@@ -286,9 +286,14 @@ struct CpuBackend::Impl {
     const fs::path header = dir / ("prelude-" + h + ".hpp");
     const fs::path pch = fs::path(header.string() + ".gch");
     std::error_code ec;
-    if (fs::exists(header, ec) && (pch_disabled || fs::exists(pch, ec))) return header;
+    // Checked on every compile (a few KiB, next to a compile of seconds): a damaged
+    // header would otherwise fail every kernel.
+    if (read_file(header) == cpu_prelude() && (pch_disabled || fs::exists(pch, ec))) return header;
     FileLock lock(dir / ("prelude-" + h + ".lock"));
-    if (!fs::exists(header, ec) || read_file(header) != cpu_prelude()) install_file(header, cpu_prelude());
+    if (read_file(header) != cpu_prelude()) {
+      install_file(header, cpu_prelude());
+      fs::remove(pch, ec);  // built from other text
+    }
     if (!pch_disabled && !fs::exists(pch, ec)) {
       const fs::path tmp = temp_name(pch);
       const fs::path log = temp_name(dir / ("prelude-" + h + ".log"));
