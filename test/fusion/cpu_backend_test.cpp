@@ -28,26 +28,49 @@ using namespace stagejit::fusion::testing;
 
 namespace {
 
-/// A fresh cache folder removed at the end of the test.
-struct TempDir {
+/// Removes a folder at exit.
+struct TempDirHolder {
   fs::path path;
-  TempDir() {
-    static std::atomic<int> n{0};
-    path = fs::temp_directory_path() /
-           ("stagejit-fusion-test-" + std::to_string(::getpid()) + "-" + std::to_string(++n));
-    fs::remove_all(path);
-  }
-  ~TempDir() {
+  ~TempDirHolder() {
     std::error_code ec;
     fs::remove_all(path, ec);
   }
 };
+
+fs::path fresh_temp_path() {
+  static std::atomic<int> n{0};
+  return fs::temp_directory_path() / ("stagejit-fusion-test-" + std::to_string(::getpid()) + "-" + std::to_string(++n));
+}
 
 CpuBackendOptions options_in(const fs::path& dir) {
   CpuBackendOptions o = CpuBackendOptions::from_environment();
   o.cache_dir = dir;
   return o;
 }
+
+/// A fresh cache folder removed at the end of the test. Unless `with_prelude` is false
+/// it starts with the precompiled prelude (built once per test process), which every
+/// fresh folder would otherwise rebuild (several seconds).
+struct TempDir {
+  fs::path path;
+  explicit TempDir(bool with_prelude = true) {
+    path = fresh_temp_path();
+    fs::remove_all(path);
+    fs::create_directories(path);
+    if (!with_prelude) return;
+    static const fs::path seed = [] {
+      static TempDirHolder holder{fresh_temp_path()};
+      CpuBackend(options_in(holder.path)).prepare();
+      return holder.path;
+    }();
+    for (const auto& e : fs::directory_iterator(seed))
+      if (e.path().filename().string().rfind("prelude-", 0) == 0) fs::copy_file(e.path(), path / e.path().filename());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
 
 KernelSource tanh_sigmoid(at::ScalarType dtype) {
   const std::string t = dtype == at::kFloat ? "float" : "double";
@@ -353,6 +376,27 @@ extern "C" void mixed(int64_t begin, int64_t end, int32_t rank, const stagejit_T
       fs::remove(sum);
       check_rebuilds();
     }
+  }
+
+  TEST_CASE("a damaged precompiled prelude does not break kernel builds") {
+    TempDir dir(false);
+    {
+      CpuBackend first(options_in(dir.path));
+      first.get(tanh_sigmoid(at::kFloat));
+      CHECK(first.stats().prelude_builds == 1);
+    }
+    int damaged = 0;
+    for (const auto& e : fs::directory_iterator(dir.path)) {
+      if (e.path().extension() == ".gch") {
+        fs::resize_file(e.path(), fs::file_size(e.path()) / 3);
+        ++damaged;
+      }
+    }
+    REQUIRE(damaged == 1);
+    CpuBackend again(options_in(dir.path));
+    auto kernel = again.get(tanh_sigmoid(at::kDouble));  // a new kernel, compiled against the damaged .gch
+    at::Tensor a = at::randn({77}, at::kDouble), b = at::randn({77}, at::kDouble), c = at::randn({77}, at::kDouble);
+    check_close(run3(*kernel, a, b, c), eager_tanh_sigmoid(a, b, c));
   }
 
   TEST_CASE("a compile error raises FusionError with the compiler log and the source path") {

@@ -7,7 +7,8 @@
 /// Disk cache: `$STAGEJIT_FUSION_CACHE_DIR`, else `$XDG_CACHE_HOME/stagejit`, else
 /// `~/.cache/stagejit`. An entry `<hash>.so` (hash = SHA-1 of prelude + source + entry +
 /// key + compiler command + flags + the compiler's `--version`) comes with `<hash>.sum`
-/// (its checksum) and `<hash>.cpp` (the source, for error messages). Entries are
+/// (its checksum) and `<hash>.cpp` (the source, for error messages), which includes the
+/// prelude from `prelude-<hash>.hpp`, precompiled once per folder into a `.gch`. Entries are
 /// installed by writing temporaries and renaming them, under an advisory file lock per
 /// hash so that processes sharing the cache compile an entry once. An entry whose
 /// checksum, dlopen or dlsym fails is rebuilt.
@@ -92,6 +93,7 @@ struct CpuBackendStats {
   int64_t disk_hits = 0;        ///< kernels loaded from the disk cache without compiling
   int64_t memory_hits = 0;      ///< requests served by the in-process cache
   int64_t corrupt_entries = 0;  ///< disk entries found corrupt and rebuilt
+  int64_t prelude_builds = 0;   ///< precompiled preludes built (once per cache folder and flags)
 };
 
 /// Compiles, caches and loads CPU kernels. Thread-safe: concurrent `get` calls for one
@@ -109,6 +111,11 @@ class CpuBackend {
   /// source file when compilation fails, or naming the entry point when the shared
   /// object lacks it, or when the compiler cannot be run or the cache is not writable.
   std::shared_ptr<const CpuKernel> get(const KernelSource& source);
+
+  /// Creates the cache folder and builds the precompiled prelude if it is missing, so
+  /// that later `get` calls compile faster (call it early, e.g. from a background
+  /// thread). Throws `FusionError` when the folder cannot be created.
+  void prepare();
 
   /// The cache hash of `source` under this backend's compiler and flags (40 hex digits).
   std::string hash_of(const KernelSource& source) const;

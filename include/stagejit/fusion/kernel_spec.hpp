@@ -20,7 +20,7 @@
 ///   computes the elements with linear index in `[begin, end)`. It is called from several
 ///   threads at once on disjoint ranges (`run_cpu_kernel`).
 /// - CUDA entry point (generated CUDA C++, NVRTC):
-///   `extern "C" __global__ void NAME(int64_t begin, int64_t end, int32_t rank, stagejit_ArgPack pack)`
+///   `extern "C" __global__ void NAME(long long begin, long long end, int rank, stagejit_ArgPack pack)`
 ///   with `pack.t[k]` the k-th `TensorArg`; a grid-stride loop covers `[begin, end)`.
 ///
 /// The preludes (`cpu_prelude()`, `cuda_prelude()`) declare `stagejit_TensorArg` with the
