@@ -5,3 +5,15 @@
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/scalar.hpp>
 #include <stagejit/core/version.hpp>
+#include <stagejit/autograd/callbacks.hpp>
+#include <stagejit/autograd/engine.hpp>
+#include <stagejit/autograd/eval.hpp>
+#include <stagejit/autograd/function.hpp>
+#include <stagejit/autograd/grad.hpp>
+#include <stagejit/autograd/grad_mode.hpp>
+#include <stagejit/autograd/host_function.hpp>
+#include <stagejit/autograd/saved_variable.hpp>
+#include <stagejit/autograd/trace_hook.hpp>
+#include <stagejit/autograd/variable.hpp>
+#include <stagejit/ops/op_def.hpp>
+#include <stagejit/ops/ops.hpp>
