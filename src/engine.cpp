@@ -166,6 +166,7 @@ void gather(GraphTask& task, uint32_t idx) {
     if (it != task.capture_of.end())
       for (auto& [input_nr, slot] : it->second)
         if (input_nr < node.inputs.size()) task.captured[slot] = node.inputs[input_nr];
+    if (!node.needed) node.inputs.clear();
   }
 }
 
@@ -422,8 +423,15 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
       task.cv.wait(lock);
     }
   }
+  // Stale pool tokens may keep the task object alive for a moment: drop its contents now.
+  variable_list captured = std::move(task.captured);
+  {
+    std::lock_guard<std::mutex> lock(task.mutex);
+    task.nodes.clear();
+    task.index.clear();
+  }
   if (task.error) rethrow_with_name(task);
-  return std::move(task.captured);
+  return captured;
 }
 
 namespace engine {

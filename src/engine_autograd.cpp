@@ -168,6 +168,9 @@ variable_list undefined_list(std::size_t n) { return variable_list(n); }
 
 void accumulate(detail::VariableImpl& var, const Variable& incoming) {
   if (!incoming.defined()) return;
+  STAGEJIT_CHECK_AS(ShapeError, incoming.sizes() == var.data.sizes(),
+                    "AccumulateGrad: gradient of shape ", shape_str(incoming.sizes()),
+                    " for a leaf of shape ", shape_str(var.data.sizes()));
   Variable g = incoming;
   if (!GradMode::is_enabled()) g = g.detach();
   std::lock_guard<std::mutex> lock(var.mutex);
@@ -497,7 +500,7 @@ std::shared_ptr<Function> finish_host_call(
       edges.push_back(in.gradient_edge());
       metas.push_back(InputMeta{at::DimVector(in.sizes()), in.options()});
     }
-    fn = make_function(HostBackward{name, ctx, std::move(backward), std::move(metas)},
+    fn = make_function(HostBackward{name, ctx, std::move(backward), std::move(metas), traceable},
                        std::move(edges), static_cast<uint32_t>(outputs.size()));
     for (std::size_t i = 0; i < outputs.size(); ++i) {
       if (outputs[i].defined() && at::isFloatingType(outputs[i].scalar_type()))
@@ -516,11 +519,11 @@ std::shared_ptr<Function> finish_host_call(
 namespace {
 
 variable_list apply_host_backward(Function& self, HostBackward& hb, variable_list& grads) {
-  TraceHook* hook = current_trace_hook();
+  TraceHook* hook = hb.traceable ? nullptr : current_trace_hook();
   variable_list grads_in = grads;
   variable_list results;
   {
-    TraceHookGuard suspend(nullptr);
+    TraceHookGuard suspend(hb.traceable ? current_trace_hook() : nullptr);
     results = hb.backward(hb.ctx.get(), grads);
   }
   STAGEJIT_CHECK(results.size() == hb.input_meta.size(), "HostFunction '", hb.name,
@@ -537,7 +540,7 @@ variable_list apply_host_backward(Function& self, HostBackward& hb, variable_lis
   std::shared_ptr<Function> backward_of_outputs;
   bool any_rg = false;
   for (auto& r : results) any_rg = any_rg || r.requires_grad();
-  if (GradMode::is_enabled() && any_rg) {
+  if (GradMode::is_enabled() && any_rg && !hb.traceable) {
     variable_list boundary = grads_in;
     for (auto& s : hb.ctx->get_saved_variables()) boundary.push_back(s);
     backward_of_outputs = eval::wrap(boundary, results);
@@ -600,7 +603,11 @@ namespace eval {
 
 std::shared_ptr<Function> wrap(const variable_list& inputs, const variable_list& outputs,
                                const std::shared_ptr<Function>& inherited) {
-  // Boundary edges in input order, then inherited placeholders' outer edges.
+  // Note [Eval boundary]: an edge ends the subgraph when it is the gradient edge of an
+  // input or the outer edge of an inherited placeholder (new placeholders are patched in),
+  // when it points to a leaf accumulator (likewise), or when it points to an existing
+  // EvalOutput placeholder (of `inherited` or any earlier Eval): that placeholder is reused
+  // as is, not patched, so the earlier Eval's subgraph stays intact.
   std::vector<Edge> boundary;
   std::unordered_map<Edge, std::size_t, EdgeHash> boundary_index;
   auto add_boundary = [&](const Edge& e) {
@@ -610,17 +617,17 @@ std::shared_ptr<Function> wrap(const variable_list& inputs, const variable_list&
   };
   for (const auto& in : inputs)
     if (in.defined() && in.requires_grad()) add_boundary(in.gradient_edge());
-  std::unordered_map<const Function*, Edge> inherited_ph;
+  std::vector<std::shared_ptr<Function>> reused;   // existing placeholders, in order
+  std::unordered_map<const Function*, bool> reused_reached;
   if (inherited) {
     const auto* ev = std::get_if<Eval>(&inherited->kind);
     STAGEJIT_CHECK(ev, "eval::wrap: `inherited` must be an Eval, got '", inherited->name(), "'");
-    for (std::size_t i = 0; i < ev->placeholders.size(); ++i) {
-      const Edge& outer = std::get<EvalOutput>(ev->placeholders[i]->kind).next_edge;
-      inherited_ph.emplace(ev->placeholders[i].get(), outer);
-      add_boundary(outer);
+    for (const auto& ph : ev->placeholders) {
+      add_boundary(std::get<EvalOutput>(ph->kind).next_edge);
+      reused.push_back(ph);
+      reused_reached.emplace(ph.get(), false);
     }
   }
-  // Relevant outputs.
   std::vector<std::size_t> relevant;
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     const auto& o = outputs[i];
@@ -629,18 +636,10 @@ std::shared_ptr<Function> wrap(const variable_list& inputs, const variable_list&
     relevant.push_back(i);
   }
   if (relevant.empty()) return nullptr;
-  // DFS from the relevant outputs' grad_fns; record (function, slot) -> boundary edge.
   struct Begin { Function* fn; std::size_t slot; Edge end; };
   std::vector<Begin> begins;
   std::unordered_set<const Function*> seen;
   std::vector<Function*> stack;
-  auto is_boundary = [&](const Edge& e, Edge& end) {
-    if (boundary_index.count(e)) { end = e; return true; }
-    auto it = inherited_ph.find(e.function.get());
-    if (it != inherited_ph.end()) { end = it->second; return true; }
-    if (e.function->is<AccumulateGrad>() || e.function->is<EvalOutput>()) { end = e; return true; }
-    return false;
-  };
   for (std::size_t i : relevant) {
     Function* f = outputs[i].grad_fn().get();
     if (seen.insert(f).second) stack.push_back(f);
@@ -651,16 +650,18 @@ std::shared_ptr<Function> wrap(const variable_list& inputs, const variable_list&
     for (std::size_t s = 0; s < f->next_functions.size(); ++s) {
       const Edge& e = f->next_functions[s];
       if (!e.is_valid()) continue;
-      Edge end;
-      if (is_boundary(e, end)) {
-        add_boundary(end);
-        begins.push_back({f, s, end});
+      if (e.function->is<EvalOutput>()) {
+        auto [it, inserted] = reused_reached.emplace(e.function.get(), true);
+        if (inserted) reused.push_back(e.function);
+        it->second = true;
+      } else if (boundary_index.count(e) || e.function->is<AccumulateGrad>()) {
+        add_boundary(e);
+        begins.push_back({f, s, e});
       } else if (seen.insert(e.function.get()).second) {
         stack.push_back(e.function.get());
       }
     }
   }
-  // Keep the boundary edges actually reached, in boundary order.
   std::vector<bool> reached(boundary.size(), false);
   for (auto& b : begins) reached[boundary_index.at(b.end)] = true;
   std::vector<Edge> next;
@@ -672,6 +673,11 @@ std::shared_ptr<Function> wrap(const variable_list& inputs, const variable_list&
     ph_of.emplace(boundary[i], ph);
     placeholders.push_back(ph);
     next.push_back(boundary[i]);
+  }
+  for (const auto& ph : reused) {
+    if (!reused_reached.at(ph.get())) continue;
+    placeholders.push_back(ph);
+    next.push_back(std::get<EvalOutput>(ph->kind).next_edge);
   }
   for (auto& b : begins) b.fn->next_functions[b.slot] = Edge{ph_of.at(b.end), 0};
   Eval ev;

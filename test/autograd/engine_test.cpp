@@ -130,7 +130,8 @@ TEST_SUITE("autograd") {
     REQUIRE(state.values.size() == 2);
     CHECK(oracle::max_diff(state.values[1].data(), at::ones({2}, at::kDouble)) == 0.0);
     CHECK(state.outputs.size() == 1);
-    CHECK_FALSE(x.grad().defined());  // every path to x was stopped
+    // The exp branch was stopped; the sin branch (CaptureValue continues) reached x.
+    CHECK(oracle::max_diff(x.grad().data(), at::cos(x.data())) == 0.0);
   }
 
   TEST_CASE("an exception in a function names it; the engine stays usable") {
@@ -148,7 +149,7 @@ TEST_SUITE("autograd") {
       }, {x.gradient_edge()});
       sj::Variable w(at::tensor({1.0}, at::kDouble), sj::Edge{bad, 0});
       sj::Variable u = sj::sum(w * 2.0);
-      CHECK_THROWS_AS(u.backward(), sj::Error);
+      CHECK_THROWS_WITH_AS(u.backward(), doctest::Contains("AccumulateGrad: gradient of shape [3] for a leaf of shape [1]"), sj::ShapeError);
       // Wrong number of outputs.
       auto wrong = lambda_fn("Wrong", [](const VL&) -> VL { return {}; }, {x.gradient_edge()});
       sj::Variable v(at::tensor({1.0}, at::kDouble), sj::Edge{wrong, 0});
@@ -166,6 +167,7 @@ TEST_SUITE("autograd") {
     sj::Variable inner_in(at::tensor({3.0}, at::kDouble), true);
     // A function whose apply runs a nested backward.
     auto reentrant = lambda_fn("Reentrant", [inner_in](const VL& g) -> VL {
+      sj::AutoGradMode enable(true);  // the outer backward runs without grad mode
       sj::Variable t = sj::sum(inner_in * inner_in);
       auto gi = sj::grad({t}, {inner_in});  // 2 * 3 = 6
       return {g[0] * gi[0].data().item<double>()};
@@ -180,6 +182,7 @@ TEST_SUITE("autograd") {
     sj::ExecuteCallbacks cbs;
     double nested = 0;
     cbs.pre.emplace(a.grad_fn().get(), sj::GenericCallback{[&](sj::Function&, VL&, VL*, sj::CallState*) {
+                      sj::AutoGradMode enable(true);
                       sj::Variable t = sj::sum(inner_in * 5.0);
                       nested = sj::grad({t}, {inner_in})[0].data().item<double>();
                       return true;

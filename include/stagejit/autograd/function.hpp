@@ -42,6 +42,7 @@ struct HostBackward {
   std::shared_ptr<HostContext> ctx;
   std::function<variable_list(HostContext*, variable_list)> backward;
   std::vector<InputMeta> input_meta;  ///< one per tensor input
+  bool traceable = false;  ///< its ops are traced one by one (not an opaque unit)
 };
 /// Throws `stagejit::Error(message)` when applied (e.g. "compiled only for 1 derivatives").
 struct ErrorFunction { std::string message; };
