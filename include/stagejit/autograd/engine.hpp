@@ -1,0 +1,51 @@
+#pragma once
+/// \file
+/// The engine: runs a backward graph from root edges (seed SPEC.md section 4, DESIGN.md
+/// "The engine"). Dependencies are counted from the roots; ready functions run on a pool of
+/// worker threads and on the calling thread (a linear chain stays on one thread); a
+/// function that itself calls `execute` (reentrant backward) runs the nested task on its
+/// own thread. Gradients meeting at one input are summed in a fixed order (by producer
+/// discovery order), so results do not depend on thread count or timing. The grad mode
+/// (set to `create_graph`) and the calling thread's trace hook are installed on every
+/// thread that runs a function of the task. Compiled in src/engine.cpp.
+
+#include <stagejit/autograd/callbacks.hpp>
+#include <stagejit/autograd/variable.hpp>
+
+#include <vector>
+
+namespace stagejit {
+
+struct ExecuteOptions {
+  /// Grad mode while functions run (record the backward's own graph).
+  bool create_graph = false;
+  /// Keep saved variables after running (false releases them: a second run throws).
+  bool keep_graph = true;
+  /// Run everything on the calling thread in a deterministic order (the tracer uses it).
+  bool single_threaded = false;
+  /// Edges whose incoming gradient `execute` returns (summed), in this order. When
+  /// non-empty, only functions on a path to one of them run, and the functions of these
+  /// edges are not run unless another capture lies behind them.
+  std::vector<Edge> capture;
+};
+
+/// Runs the graph: `inputs[i]` flows into `roots[i]` (null roots are skipped). Returns one
+/// Variable per `options.capture` edge (undefined if nothing reached it).
+/// Throws `Error` when no root is valid ("no graph nodes require computing gradients"),
+/// when a function returns the wrong number of outputs, and rethrows (as the same
+/// stagejit::Error subclass, else `Error`) the first exception of any function, prefixed
+/// with "Function 'Name': ". The engine stays usable afterwards.
+variable_list execute(const std::vector<Edge>& roots, const variable_list& inputs,
+                      const ExecuteOptions& options = {},
+                      const ExecuteCallbacks& callbacks = {});
+
+namespace engine {
+/// Number of threads that may run one graph task (the caller plus workers).
+/// Initially STAGEJIT_NUM_THREADS, else the core count.
+int num_threads() noexcept;
+/// Resizes the worker pool (n >= 1; 1 = calling thread only). Safe between executions;
+/// pending work of running tasks is still served by their callers.
+void set_num_threads(int n);
+}  // namespace engine
+
+}  // namespace stagejit

@@ -1,0 +1,137 @@
+#pragma once
+/// \file
+/// `Function`: a node of the backward graph (and of compiled closures). Its behaviour is a
+/// closed set of kinds held in a `std::variant` (DESIGN.md, "Types dispatched through
+/// variants"); `next_functions` are its outgoing edges. Eager kinds: AccumulateGrad,
+/// OpBackward, HostBackward, Eval (+ EvalOutput), Error. Closure kinds (filled by the
+/// closure compiler; seed SPEC.md 3.2): Replicate, InputPlaceholder, PrevStageInput,
+/// EvalPlaceholder, Output, SimpleEval, EmitNull, Lambda, HostCall, WrapConstant,
+/// ConstantFactory, FusedKernel and ClosureFunction (type-erased closure).
+
+#include <stagejit/autograd/saved_variable.hpp>
+#include <stagejit/autograd/variable.hpp>
+#include <stagejit/core/scalar.hpp>
+#include <stagejit/ops/op_def.hpp>
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+namespace stagejit {
+
+class HostContext;
+
+/// Adds incoming gradients into a leaf's `grad()` (thread-safe).
+struct AccumulateGrad { std::shared_ptr<detail::VariableImpl> variable; };
+/// One table op's backward formula with its saved variables.
+struct OpBackward {
+  const OpDef* op = nullptr;
+  Attributes attrs;
+  std::vector<SavedVariable> saved_inputs;   ///< indexed like the op's inputs
+  std::vector<SavedVariable> saved_outputs;  ///< empty unless op->saves_outputs
+  std::vector<InputMeta> input_meta;
+  bool released = false;
+};
+/// The backward of a HostFunction: calls the user's `backward(ctx, grads)`.
+struct HostBackward {
+  std::string name;
+  std::shared_ptr<HostContext> ctx;
+  std::function<variable_list(HostContext*, variable_list)> backward;
+  std::vector<InputMeta> input_meta;  ///< one per tensor input
+  bool traceable = false;  ///< its ops are traced one by one (not an opaque unit)
+};
+/// Throws `stagejit::Error(message)` when applied (e.g. "compiled only for 1 derivatives").
+struct ErrorFunction { std::string message; };
+/// A placeholder at the boundary of an Eval's subgraph, standing for `next_edge`. Its
+/// input is captured by the Eval's pre-callback; it has no next_functions.
+struct EvalOutput { Edge next_edge; };
+/// Runs a detached autograd subgraph as one Function (seed SPEC.md 2.3): `roots` are the
+/// subgraph's output-side edges, `placeholders` the EvalOutput functions in the order of
+/// this Function's next_functions. See `autograd/eval.hpp`.
+struct Eval {
+  std::vector<Edge> roots;
+  std::vector<std::shared_ptr<Function>> placeholders;
+};
+
+// Closure kinds (seed SPEC.md 3.2). They are filled by the closure compiler.
+/// Returns its one input once per next_function.
+struct Replicate {};
+/// Identity; root of a stage input.
+struct InputPlaceholder {};
+/// Like Replicate; root feeding a value captured at an earlier stage.
+struct PrevStageInput {};
+/// Identity; an Eval node whose work a RunHandle post-callback does.
+struct EvalPlaceholder {};
+/// The stage's Return: must be stopped by a CaptureOutputs pre-callback (throws otherwise).
+struct Output {};
+/// Applies another Function (a traced opaque function object).
+struct SimpleEval { std::shared_ptr<Function> fn; };
+/// Returns one undefined Variable.
+struct EmitNull {};
+/// Runs one table op (`op` + `attrs`) or, when `op` is null, `fn`.
+struct Lambda {
+  const OpDef* op = nullptr;
+  Attributes attrs;
+  std::function<variable_list(const variable_list&)> fn;
+};
+/// Calls a host function (HostOp node) as a unit.
+struct HostCall { std::string name; std::function<variable_list(const variable_list&)> call; };
+/// Needs one undefined input; returns a fresh non-grad Variable holding a clone of `value`.
+struct WrapConstant { at::Tensor value; };
+/// Needs one undefined input; returns one undefined Variable per next_function.
+struct ConstantFactory {};
+/// Runs a fused kernel.
+struct FusedKernel { std::string name; std::function<variable_list(const variable_list&)> run; };
+/// Interface of a type-erased closure (the closure compiler's stage closures).
+class ClosureImpl {
+ public:
+  virtual ~ClosureImpl() = default;
+  virtual variable_list apply(variable_list inputs) = 0;
+  virtual std::string_view name() const = 0;
+};
+struct ClosureFunction { std::shared_ptr<ClosureImpl> impl; };
+
+using FunctionKind =
+    std::variant<AccumulateGrad, OpBackward, HostBackward, ErrorFunction, Eval, EvalOutput,
+                 Replicate, InputPlaceholder, PrevStageInput, EvalPlaceholder, Output,
+                 SimpleEval, EmitNull, Lambda, HostCall, WrapConstant, ConstantFactory,
+                 FusedKernel, ClosureFunction>;
+
+/// A node of the backward graph. Apply it with `apply` (the engine does).
+struct Function : std::enable_shared_from_this<Function> {
+  FunctionKind kind;
+  std::vector<Edge> next_functions;
+  uint32_t num_inputs = 0;
+  uint64_t sequence_nr;
+
+  Function(FunctionKind k, std::vector<Edge> next, uint32_t inputs)
+      : kind(std::move(k)), next_functions(std::move(next)), num_inputs(inputs),
+        sequence_nr(next_sequence_nr()) {}
+
+  /// A readable name: "MulBackward", "AccumulateGrad", "Eval", the host function's name.
+  std::string name() const;
+  /// Runs this Function on its input gradients; returns one output per next_function.
+  /// Throws what the kind throws (`Error` subclasses for user errors).
+  variable_list apply(variable_list inputs);
+  /// Drops saved variables (after a backward with keep_graph = false).
+  void release_variables();
+  template <class K>
+  bool is() const noexcept { return std::holds_alternative<K>(kind); }
+
+  static uint64_t next_sequence_nr() noexcept {
+    static std::atomic<uint64_t> counter{0};
+    return counter.fetch_add(1, std::memory_order_relaxed);
+  }
+};
+
+/// Makes a Function of kind `k`.
+inline std::shared_ptr<Function> make_function(FunctionKind k, std::vector<Edge> next,
+                                               uint32_t num_inputs) {
+  return std::make_shared<Function>(std::move(k), std::move(next), num_inputs);
+}
+
+}  // namespace stagejit

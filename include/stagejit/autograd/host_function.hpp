@@ -1,0 +1,160 @@
+#pragma once
+/// \file
+/// Host functions: user C++ ops whose forward runs as a unit and whose backward is a user
+/// function on Variables (API.md "Host functions"; modelled on libtorch's
+/// `torch::autograd::Function<T>`, the seed's PythonOp).
+///
+/// ```cpp
+/// struct MulConstant : sj::HostFunction<MulConstant> {
+///   static sj::Variable forward(sj::HostContext* ctx, sj::Variable x, double c);
+///   static sj::variable_list backward(sj::HostContext* ctx, sj::variable_list grads);
+/// };
+/// ```
+/// Non-Variable arguments are the node's scalars; their order makes the calling convention
+/// (`t` tensor, `s` scalar). The forward runs without grad mode. Unless
+/// `static constexpr bool traceable = true`, the trace hook is suspended during forward and
+/// backward and sees one host op / one opaque backward (`record_eval`). When the backward
+/// runs with create_graph, its results get an `Eval` grad_fn, so the backward of the
+/// backward is opaque again. Errors: a backward returning the wrong number of gradients
+/// (`Error`) or a gradient of the wrong shape (`ShapeError`), both naming the function.
+
+#include <stagejit/autograd/function.hpp>
+#include <stagejit/autograd/grad_mode.hpp>
+#include <stagejit/autograd/saved_variable.hpp>
+#include <stagejit/autograd/trace_hook.hpp>
+#include <stagejit/autograd/variable.hpp>
+#include <stagejit/core/scalar.hpp>
+
+#include <boost/core/demangle.hpp>
+
+#include <concepts>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <typeinfo>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace stagejit {
+
+/// The context a host function's forward fills for its backward.
+class HostContext {
+ public:
+  /// Saves Variables for backward (inputs or outputs of the forward; outputs are saved
+  /// without a reference cycle).
+  void save_for_backward(variable_list variables) { to_save_ = std::move(variables); }
+  /// The saved Variables (call from backward).
+  variable_list get_saved_variables() const;
+  /// Arbitrary scalars for backward.
+  std::unordered_map<std::string, Scalar> saved_data;
+
+  /// Internal: called once the forward's outputs and backward Function are known.
+  void finalize(const variable_list& outputs, const std::shared_ptr<Function>& owner);
+
+ private:
+  variable_list to_save_;
+  std::vector<SavedVariable> saved_;
+  std::weak_ptr<Function> owner_;
+  bool finalized_ = false;
+};
+
+namespace detail {
+
+/// Wraps outputs, creates the HostBackward (when needed) and reports the host op to the
+/// trace hook. Returns the backward Function or null. Outputs may be replaced by new
+/// Variables (an input returned as is becomes a new Variable sharing the tensor).
+std::shared_ptr<Function> finish_host_call(
+    const std::string& name, const std::shared_ptr<HostContext>& ctx,
+    const variable_list& inputs, variable_list& outputs,
+    std::function<variable_list(HostContext*, variable_list)> backward, bool traceable,
+    const std::string& calling_convention, const std::vector<Scalar>& scalars);
+
+template <class A>
+void collect_argument(const A& a, variable_list& inputs, std::vector<Scalar>& scalars,
+                      std::string& convention) {
+  using D = std::remove_cvref_t<A>;
+  if constexpr (std::is_same_v<D, Variable>) {
+    inputs.push_back(a);
+    convention += 't';
+  } else if constexpr (std::is_same_v<D, bool>) {
+    scalars.emplace_back(a);
+    convention += 's';
+  } else if constexpr (std::is_integral_v<D>) {
+    scalars.emplace_back(static_cast<int64_t>(a));
+    convention += 's';
+  } else if constexpr (std::is_floating_point_v<D>) {
+    scalars.emplace_back(static_cast<double>(a));
+    convention += 's';
+  } else if constexpr (std::is_convertible_v<const D&, std::string>) {
+    scalars.emplace_back(std::string(a));
+    convention += 's';
+  } else if constexpr (std::is_same_v<D, std::vector<int64_t>> ||
+                       std::is_same_v<D, std::vector<double>>) {
+    scalars.emplace_back(a);
+    convention += 's';
+  } else {
+    static_assert(sizeof(D) == 0,
+                  "HostFunction::apply: arguments must be Variables or Scalar-convertible "
+                  "(double, integer, bool, string, vector<int64_t>, vector<double>)");
+  }
+}
+
+template <class T>
+std::string host_function_name() {
+  if constexpr (requires { T::name; }) {
+    return std::string(T::name);
+  } else {
+    std::string n = boost::core::demangle(typeid(T).name());
+    auto pos = n.rfind("::");
+    return pos == std::string::npos ? n : n.substr(pos + 2);
+  }
+}
+
+}  // namespace detail
+
+/// CRTP base of host functions; see the file comment.
+template <class T>
+struct HostFunction {
+  /// Runs `T::forward(ctx, args...)` as one op. Returns what forward returns
+  /// (`Variable` or `variable_list`).
+  template <class... Args>
+  static auto apply(Args&&... args) {
+    constexpr bool traceable = [] {
+      if constexpr (requires { T::traceable; }) return static_cast<bool>(T::traceable);
+      else return false;
+    }();
+    variable_list inputs;
+    std::vector<Scalar> scalars;
+    std::string convention;
+    (detail::collect_argument(args, inputs, scalars, convention), ...);
+    auto ctx = std::make_shared<HostContext>();
+    using R = decltype(T::forward(ctx.get(), std::forward<Args>(args)...));
+    static_assert(std::is_same_v<R, Variable> || std::is_same_v<R, variable_list>,
+                  "HostFunction: forward must return Variable or variable_list");
+    variable_list outputs;
+    {
+      NoGradGuard no_grad;
+      std::optional<TraceHookGuard> suspend;
+      if (!traceable) suspend.emplace(nullptr);
+      if constexpr (std::is_same_v<R, Variable>) {
+        outputs.push_back(T::forward(ctx.get(), std::forward<Args>(args)...));
+      } else {
+        outputs = T::forward(ctx.get(), std::forward<Args>(args)...);
+      }
+    }
+    detail::finish_host_call(
+        detail::host_function_name<T>(), ctx, inputs, outputs,
+        [](HostContext* c, variable_list g) { return T::backward(c, std::move(g)); },
+        traceable, convention, scalars);
+    if constexpr (std::is_same_v<R, Variable>) {
+      return outputs[0];
+    } else {
+      return outputs;
+    }
+  }
+};
+
+}  // namespace stagejit

@@ -1,0 +1,58 @@
+#pragma once
+/// \file
+/// The trace hook: the interface through which the tracer observes eager execution.
+/// autograd only calls it; the tracer (trace/) implements it. The current hook is
+/// thread-local, and the engine propagates the hook of the thread calling `execute` to
+/// every thread running that graph task, so ops of backward formulas are reported too.
+
+#include <stagejit/autograd/variable.hpp>
+#include <stagejit/core/scalar.hpp>
+
+#include <memory>
+#include <string_view>
+#include <vector>
+
+namespace stagejit {
+
+/// Receives every op, host op and opaque backward run on threads where it is current.
+class TraceHook {
+ public:
+  virtual ~TraceHook() = default;
+  /// Every table op, whatever the grad mode, after it ran (also ops inside backward
+  /// formulas). `attrs` are the op's attributes as recorded in the IR.
+  virtual void record_op(std::string_view op, const Attributes& attrs,
+                         const variable_list& inputs, const variable_list& outputs) = 0;
+  /// A non-traceable HostFunction ran as a unit (its inner ops are not reported).
+  /// `calling_convention` has one letter per argument: `t` tensor, `s` scalar.
+  virtual void record_host_op(std::string_view name, std::string_view calling_convention,
+                              const std::vector<Scalar>& scalars, const variable_list& inputs,
+                              const variable_list& outputs,
+                              const std::shared_ptr<Function>& backward) = 0;
+  /// An opaque backward (HostBackward or Eval) ran as a unit. `backward_of_outputs` is the
+  /// Eval that is grad_fn of `grad_outputs` (create_graph), or null.
+  virtual void record_eval(const Function& fn, const variable_list& grad_inputs,
+                           const variable_list& grad_outputs,
+                           const std::shared_ptr<Function>& backward_of_outputs) = 0;
+};
+
+/// The hook current on this thread, or null (one pointer load per op when null).
+TraceHook* current_trace_hook() noexcept;
+/// Sets this thread's hook (prefer `TraceHookGuard`).
+void set_current_trace_hook(TraceHook* hook) noexcept;
+
+/// RAII: makes `hook` current on this thread (null suspends tracing) and restores the
+/// previous hook on destruction.
+class TraceHookGuard {
+ public:
+  explicit TraceHookGuard(TraceHook* hook) noexcept : prev_(current_trace_hook()) {
+    set_current_trace_hook(hook);
+  }
+  ~TraceHookGuard() { set_current_trace_hook(prev_); }
+  TraceHookGuard(const TraceHookGuard&) = delete;
+  TraceHookGuard& operator=(const TraceHookGuard&) = delete;
+
+ private:
+  TraceHook* prev_;
+};
+
+}  // namespace stagejit

@@ -1,0 +1,175 @@
+#pragma once
+/// \file
+/// Typed attribute values of IR nodes (SPEC 1.6): `f` double, `fs` double list,
+/// `i` int64, `is` int64 list, `s` string, `ss` string list, `t` tensor, `ts` tensor
+/// list, `g` graph, `gs` graph list; and their conversion from core `Scalar`s.
+///
+/// Text form: `f` always has a `.` or exponent (`1.0`), `i` never does; strings are
+/// quoted; non-empty lists are `[a, b]`, empty ones carry their kind (`is[]`, `fs[]`,
+/// `ss[]`, `ts[]`, `gs[]`); tensors are tensor literals (detail/literals.hpp). Graph
+/// attributes print as `<Graph>` / `[<Graphs>]` and cannot be parsed back.
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <stagejit/core/error.hpp>
+#include <stagejit/core/scalar.hpp>
+#include <stagejit/ir/detail/literals.hpp>
+
+namespace stagejit::ir {
+
+class Graph;
+
+/// One attribute value; the alternative's index gives its kind (see `attribute_kind`).
+using AttributeValue =
+    std::variant<double, std::vector<double>, int64_t, std::vector<int64_t>, std::string,
+                 std::vector<std::string>, at::Tensor, std::vector<at::Tensor>,
+                 std::shared_ptr<Graph>, std::vector<std::shared_ptr<Graph>>>;
+
+/// Attributes of a node in their insertion (argument) order.
+using AttributeList = std::vector<std::pair<std::string, AttributeValue>>;
+
+/// Kind names in the order of `AttributeValue`'s alternatives.
+inline constexpr std::array<std::string_view, 10> attribute_kind_names = {
+    "f", "fs", "i", "is", "s", "ss", "t", "ts", "g", "gs"};
+
+/// The SPEC 1.6 kind of `v`: `"f"`, `"is"`, `"t"`, ...
+inline std::string_view attribute_kind(const AttributeValue& v) {
+  return attribute_kind_names[v.index()];
+}
+
+/// Converts a core `Scalar` (tracer/op arguments) into an attribute: `double` -> f,
+/// `int64_t` -> i, `bool` -> i (0 or 1), string -> s, int list -> is, double list -> fs.
+inline AttributeValue to_attribute(const Scalar& s) {
+  return std::visit(
+      [](const auto& v) -> AttributeValue {
+        using T = std::decay_t<decltype(v)>;
+        if constexpr (std::is_same_v<T, bool>) return int64_t(v ? 1 : 0);
+        else return v;
+      },
+      s);
+}
+
+/// Converts core `Attributes` element-wise with `to_attribute`, keeping the order.
+inline AttributeList to_attribute_list(const Attributes& attrs) {
+  AttributeList out;
+  out.reserve(attrs.size());
+  for (const auto& [name, value] : attrs) out.emplace_back(name, to_attribute(value));
+  return out;
+}
+
+/// Tensors equal in dtype, device, sizes and values (NaN never equals NaN).
+inline bool tensor_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.defined() != b.defined()) return false;
+  if (!a.defined()) return true;
+  return a.scalar_type() == b.scalar_type() && a.device() == b.device() &&
+         a.sizes() == b.sizes() && at::equal(a, b);
+}
+
+/// Structural equality: same kind and equal contents; tensors by `tensor_equal`,
+/// graphs by identity.
+inline bool attribute_equal(const AttributeValue& a, const AttributeValue& b) {
+  if (a.index() != b.index()) return false;
+  return std::visit(
+      [&](const auto& x) -> bool {
+        using T = std::decay_t<decltype(x)>;
+        const auto& y = std::get<T>(b);
+        if constexpr (std::is_same_v<T, at::Tensor>) {
+          return tensor_equal(x, y);
+        } else if constexpr (std::is_same_v<T, std::vector<at::Tensor>>) {
+          if (x.size() != y.size()) return false;
+          for (size_t i = 0; i < x.size(); ++i)
+            if (!tensor_equal(x[i], y[i])) return false;
+          return true;
+        } else {
+          return x == y;
+        }
+      },
+      a);
+}
+
+/// The value of `v` as `T` where the text form allows it: exact alternative, or an
+/// integer (list) where a double (list) is expected. nullopt otherwise.
+template <class T>
+std::optional<T> attribute_as(const AttributeValue& v) {
+  if (auto p = std::get_if<T>(&v)) return *p;
+  if constexpr (std::is_same_v<T, double>) {
+    if (auto p = std::get_if<int64_t>(&v)) return static_cast<double>(*p);
+  } else if constexpr (std::is_same_v<T, std::vector<double>>) {
+    if (auto p = std::get_if<std::vector<int64_t>>(&v)) return T(p->begin(), p->end());
+  }
+  return std::nullopt;
+}
+
+/// The text form of an attribute value (see the file comment).
+inline std::string format_attribute(const AttributeValue& v) {
+  auto list = [&](const auto& xs, auto&& fmt) {
+    if (xs.empty()) return std::string(attribute_kind(v)) + "[]";
+    std::string out = "[";
+    for (size_t i = 0; i < xs.size(); ++i) out += (i ? ", " : "") + fmt(xs[i]);
+    return out + "]";
+  };
+  return std::visit(
+      [&](const auto& x) -> std::string {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, double>) return detail::format_double(x);
+        else if constexpr (std::is_same_v<T, int64_t>) return std::to_string(x);
+        else if constexpr (std::is_same_v<T, std::string>) return detail::quote(x);
+        else if constexpr (std::is_same_v<T, at::Tensor>) return detail::format_tensor(x);
+        else if constexpr (std::is_same_v<T, std::shared_ptr<Graph>>) return "<Graph>";
+        else if constexpr (std::is_same_v<T, std::vector<double>>)
+          return list(x, [](double d) { return detail::format_double(d); });
+        else if constexpr (std::is_same_v<T, std::vector<int64_t>>)
+          return list(x, [](int64_t i) { return std::to_string(i); });
+        else if constexpr (std::is_same_v<T, std::vector<std::string>>)
+          return list(x, [](const std::string& s) { return detail::quote(s); });
+        else if constexpr (std::is_same_v<T, std::vector<at::Tensor>>)
+          return list(x, [](const at::Tensor& t) { return detail::format_tensor(t); });
+        else
+          return x.empty() ? std::string("gs[]") : std::string("[<Graphs>]");
+      },
+      v);
+}
+
+/// The text form of a core `Scalar` (host op scalar arguments): like attributes, with
+/// `bool` as `true`/`false`.
+inline std::string format_scalar(const Scalar& s) {
+  if (auto b = std::get_if<bool>(&s)) return *b ? "true" : "false";
+  return format_attribute(to_attribute(s));
+}
+
+}  // namespace stagejit::ir
+
+#ifdef STAGEJIT_TESTING
+#include <stagejit/testing/doctest.hpp>
+TEST_SUITE("ir") {
+  TEST_CASE("Scalars convert to the SPEC 1.6 attribute kinds and print by kind") {
+    using namespace stagejit::ir;
+    stagejit::Attributes a = {{"alpha", 1.0},
+                              {"dim", int64_t(1)},
+                              {"keepdim", true},
+                              {"dims", std::vector<int64_t>{}},
+                              {"w", std::vector<double>{0.5, 2.0}},
+                              {"mode", std::string("a\"b")}};
+    auto list = to_attribute_list(a);
+    std::vector<std::string> kinds, texts;
+    for (auto& [n, v] : list) {
+      kinds.emplace_back(attribute_kind(v));
+      texts.push_back(format_attribute(v));
+    }
+    CHECK(kinds == std::vector<std::string>{"f", "i", "i", "is", "fs", "s"});
+    CHECK(texts == std::vector<std::string>{"1.0", "1", "1", "is[]", "[0.5, 2.0]", "\"a\\\"b\""});
+    CHECK(attribute_as<double>(AttributeValue{int64_t(3)}) == 3.0);
+    CHECK_FALSE(attribute_as<int64_t>(AttributeValue{3.0}).has_value());
+  }
+}
+#endif

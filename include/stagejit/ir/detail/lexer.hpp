@@ -1,0 +1,176 @@
+#pragma once
+/// \file
+/// Tokens of the IR text form, read lazily with one token of lookahead so that the
+/// first error in the text is the one reported. `#` starts a comment to the end of
+/// the line.
+
+#include <cctype>
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+#include <stagejit/core/error.hpp>
+
+namespace stagejit::ir::detail {
+
+enum class TokenKind { End, Ident, ValueRef, Number, String, Dashes, Punct };
+
+struct Token {
+  TokenKind kind = TokenKind::End;
+  std::string text;  // identifier, value name (without %), number, unescaped string, punct
+  size_t line = 1, column = 1;
+
+  bool is(char punct) const { return kind == TokenKind::Punct && text.size() == 1 && text[0] == punct; }
+  bool is_ident(std::string_view s) const { return kind == TokenKind::Ident && text == s; }
+  /// How the token reads in a message: `'mul'`, `'%x'`, `end of input`.
+  std::string describe() const {
+    switch (kind) {
+      case TokenKind::End: return "end of input";
+      case TokenKind::ValueRef: return "'%" + text + "'";
+      case TokenKind::String: return "a string";
+      case TokenKind::Dashes: return "a stage separator";
+      default: return "'" + text + "'";
+    }
+  }
+};
+
+class Lexer {
+ public:
+  explicit Lexer(std::string_view text) : text_(text) {}
+
+  const Token& peek() {
+    if (!has_peeked_) {
+      peeked_ = lex();
+      has_peeked_ = true;
+    }
+    return peeked_;
+  }
+  Token next() {
+    peek();
+    has_peeked_ = false;
+    return peeked_;
+  }
+  [[noreturn]] void fail(size_t line, size_t column, const std::string& msg) const {
+    throw ParseError(line, column, msg);
+  }
+  [[noreturn]] void fail(const Token& at, const std::string& msg) const {
+    fail(at.line, at.column, msg);
+  }
+
+ private:
+  char cur() const { return pos_ < text_.size() ? text_[pos_] : '\0'; }
+  char at(size_t k) const { return pos_ + k < text_.size() ? text_[pos_ + k] : '\0'; }
+  void advance() {
+    if (pos_ >= text_.size()) return;
+    if (text_[pos_] == '\n') {
+      ++line_;
+      col_ = 1;
+    } else {
+      ++col_;
+    }
+    ++pos_;
+  }
+  static bool ident_start(char c) { return std::isalpha(static_cast<unsigned char>(c)) || c == '_'; }
+  static bool ident_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; }
+  static bool digit(char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; }
+
+  Token lex() {
+    for (;;) {
+      while (pos_ < text_.size() && std::isspace(static_cast<unsigned char>(cur()))) advance();
+      if (cur() == '#') {
+        while (pos_ < text_.size() && cur() != '\n') advance();
+        continue;
+      }
+      break;
+    }
+    Token t;
+    t.line = line_;
+    t.column = col_;
+    if (pos_ >= text_.size()) return t;
+    char c = cur();
+    if (ident_start(c)) {
+      t.kind = TokenKind::Ident;
+      while (ident_char(cur())) t.text += cur(), advance();
+      return t;
+    }
+    if (c == '%') {
+      advance();
+      t.kind = TokenKind::ValueRef;
+      while (ident_char(cur()) || cur() == '.') t.text += cur(), advance();
+      if (t.text.empty()) fail(t, "expected a value name after '%'");
+      return t;
+    }
+    if (c == '-' && at(1) == '-') {
+      t.kind = TokenKind::Dashes;
+      while (cur() == '-') t.text += cur(), advance();
+      return t;
+    }
+    if (digit(c) || ((c == '-' || c == '+') && (digit(at(1)) || at(1) == 'i' || at(1) == 'n'))) {
+      t.kind = TokenKind::Number;
+      if (c == '-' || c == '+') t.text += c, advance();
+      if (ident_start(cur())) {  // inf / nan
+        while (ident_char(cur())) t.text += cur(), advance();
+        std::string_view body = std::string_view(t.text).substr(1);
+        if (body != "inf" && body != "nan") fail(t, "malformed number '" + t.text + "'");
+        return t;
+      }
+      while (digit(cur())) t.text += cur(), advance();
+      if (cur() == '.' && digit(at(1))) {
+        t.text += cur(), advance();
+        while (digit(cur())) t.text += cur(), advance();
+      } else if (cur() == '.' && !ident_start(at(1))) {
+        t.text += cur(), advance();  // `1.`
+      }
+      if ((cur() == 'e' || cur() == 'E') &&
+          (digit(at(1)) || ((at(1) == '-' || at(1) == '+') && digit(at(2))))) {
+        t.text += cur(), advance();
+        if (cur() == '-' || cur() == '+') t.text += cur(), advance();
+        while (digit(cur())) t.text += cur(), advance();
+      }
+      if (ident_char(cur())) fail(line_, col_, "malformed number: unexpected '" + std::string(1, cur()) + "'");
+      return t;
+    }
+    if (c == '"') {
+      t.kind = TokenKind::String;
+      advance();
+      for (;;) {
+        if (pos_ >= text_.size() || cur() == '\n') fail(t, "unterminated string");
+        char d = cur();
+        advance();
+        if (d == '"') break;
+        if (d == '\\') {
+          char e = cur();
+          if (pos_ >= text_.size()) fail(t, "unterminated string");
+          advance();
+          switch (e) {
+            case 'n': t.text += '\n'; break;
+            case 't': t.text += '\t'; break;
+            case '"': t.text += '"'; break;
+            case '\\': t.text += '\\'; break;
+            default: fail(line_, col_ - 2, std::string("unknown escape '\\") + e + "' in string");
+          }
+        } else {
+          t.text += d;
+        }
+      }
+      return t;
+    }
+    static constexpr std::string_view puncts = "()[]{},:=;^!|<>";
+    if (puncts.find(c) != std::string_view::npos) {
+      t.kind = TokenKind::Punct;
+      t.text = std::string(1, c);
+      advance();
+      return t;
+    }
+    if (std::isprint(static_cast<unsigned char>(c)))
+      fail(t, std::string("unexpected character '") + c + "'");
+    fail(t, "unexpected byte " + std::to_string(static_cast<unsigned char>(c)));
+  }
+
+  std::string_view text_;
+  size_t pos_ = 0, line_ = 1, col_ = 1;
+  Token peeked_;
+  bool has_peeked_ = false;
+};
+
+}  // namespace stagejit::ir::detail

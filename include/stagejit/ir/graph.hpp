@@ -1,0 +1,664 @@
+#pragma once
+/// \file
+/// The multi-stage IR: `Graph`, `Node`, `Value`, `Use` (SPEC 1.1-1.4, restated for Values).
+///
+/// Note [Ownership]: a Graph owns every Node it creates (in its list or not); a Node
+/// owns its output Values. Everything else holds raw pointers, valid until the node is
+/// destroyed or the graph dies.
+///
+/// Note [Stages]: every node carries a stage (0 forward, 1 backward, ...). Graph inputs
+/// are the outputs of `Param` nodes, kept outside the node list, all stages in one list
+/// in stage order. Graph outputs are the inputs of the `Return` sentinel, grouped by
+/// stage; the graph stores how many outputs each stage has (`stage_output_counts()`),
+/// one entry per stage, so an empty stage keeps its (empty) group.
+///
+/// Note [Handles]: a Handle value (an opaque backward closure) is only ever the last
+/// output of a HostOp or Eval node and the last input of an Eval node (`ir::lint`).
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstddef>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <stagejit/core/error.hpp>
+#include <stagejit/ir/kinds.hpp>
+#include <stagejit/ir/type.hpp>
+
+namespace stagejit::ir {
+
+class Node;
+class Graph;
+
+/// One input edge: `user->inputs()[offset]` is the value that has this use.
+struct Use {
+  Node* user = nullptr;
+  size_t offset = 0;
+  friend bool operator==(const Use&, const Use&) = default;
+};
+
+/// Prints `Use(user #id, offset)` (for test and log messages).
+std::ostream& operator<<(std::ostream& os, const Use& u);
+
+/// Where a node came from in IR text (1-based; 0 when it was not parsed).
+struct SourceLocation {
+  size_t line = 0, column = 0;
+  bool known() const noexcept { return line != 0; }
+};
+
+/// The stage of the Return sentinel: at least every real stage.
+inline constexpr size_t return_stage = std::numeric_limits<size_t>::max();
+
+/// True for a valid debug name: `[A-Za-z_][A-Za-z0-9_.]*`. Names starting with a
+/// digit are reserved for the printer's numbering.
+inline bool valid_value_name(std::string_view name) {
+  if (name.empty() || !(std::isalpha(static_cast<unsigned char>(name[0])) || name[0] == '_'))
+    return false;
+  for (char c : name)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.')) return false;
+  return true;
+}
+
+/// A value: one output of one node (graph inputs are outputs of Param nodes).
+class Value {
+ public:
+  Value(const Value&) = delete;
+  Value& operator=(const Value&) = delete;
+
+  /// The node producing this value.
+  Node* node() const noexcept { return node_; }
+  /// Index of this value among its node's outputs.
+  size_t offset() const noexcept { return offset_; }
+  /// Graph-unique id (stable; not the printed name).
+  size_t id() const noexcept { return id_; }
+  /// The stage of the producing node.
+  size_t stage() const noexcept;
+  Graph* owning_graph() const noexcept;
+
+  const Type& type() const noexcept { return type_; }
+  Value* set_type(Type type) {
+    type_ = std::move(type);
+    return this;
+  }
+  bool is_handle() const noexcept { return std::holds_alternative<HandleType>(type_); }
+  /// The tensor type, or nullptr for Handle and unknown values.
+  const TensorType* tensor_type() const noexcept { return std::get_if<TensorType>(&type_); }
+
+  /// The debug name (empty when the printer numbers it).
+  const std::string& name() const noexcept { return name_; }
+  bool has_name() const noexcept { return !name_.empty(); }
+  /// Sets the debug name; "" clears it. Throws IrError unless `valid_value_name`.
+  /// Uniqueness within the graph is checked by `lint`.
+  Value* set_name(std::string name) {
+    STAGEJIT_CHECK_AS(IrError, name.empty() || valid_value_name(name), "invalid value name '",
+                      name, "': expected [A-Za-z_][A-Za-z0-9_.]*");
+    name_ = std::move(name);
+    return this;
+  }
+
+  /// The edges that read this value, in the order they were added.
+  const std::vector<Use>& uses() const noexcept { return uses_; }
+  bool has_uses() const noexcept { return !uses_.empty(); }
+  /// Redirects every use (graph outputs included) to `other`. Throws IrError when
+  /// `other` belongs to another graph.
+  void replace_all_uses_with(Value* other);
+
+ private:
+  friend class Node;
+  friend class Graph;
+  Value(Node* node, size_t offset, size_t id, Type type)
+      : node_(node), offset_(offset), id_(id), type_(std::move(type)) {}
+  void remove_use(Node* user, size_t offset) {
+    auto it = std::find(uses_.begin(), uses_.end(), Use{user, offset});
+    STAGEJIT_ASSERT(it != uses_.end(), "use list out of sync");
+    uses_.erase(it);
+  }
+
+  Node* node_;
+  size_t offset_;
+  size_t id_;
+  Type type_;
+  std::string name_;
+  std::vector<Use> uses_;
+};
+
+/// A node: a kind (`NodeKind`), a stage, ordered inputs and owned outputs.
+class Node {
+ public:
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+
+  const NodeKind& kind() const noexcept { return kind_; }
+  NodeKind& kind() noexcept { return kind_; }
+  template <class K>
+  bool is() const noexcept { return std::holds_alternative<K>(kind_); }
+  template <class K>
+  K* get_if() noexcept { return std::get_if<K>(&kind_); }
+  template <class K>
+  const K* get_if() const noexcept { return std::get_if<K>(&kind_); }
+  /// The kind as `K`; throws IrError naming the node when it is another kind.
+  template <class K>
+  K& get() {
+    STAGEJIT_CHECK_AS(IrError, is<K>(), "node #", id_, " is ", describe(), ", not ",
+                      ir::kind_name<K>());
+    return std::get<K>(kind_);
+  }
+  /// A short name for messages: the op name for Op, `^name` for HostOp, else the kind.
+  std::string describe() const {
+    if (auto op = get_if<Op>()) return op->name;
+    if (auto h = get_if<HostOp>()) return "^" + h->name;
+    return std::string(ir::kind_name(kind_));
+  }
+
+  size_t id() const noexcept { return id_; }
+  size_t stage() const noexcept { return stage_; }
+  /// Sets the stage (and makes the graph have at least `stage + 1` stages).
+  Node* set_stage(size_t stage);
+  Graph* owning_graph() const noexcept { return graph_; }
+  const SourceLocation& location() const noexcept { return location_; }
+  Node* set_location(SourceLocation loc) {
+    location_ = loc;
+    return this;
+  }
+
+  // ---- inputs
+  const std::vector<Value*>& inputs() const noexcept { return inputs_; }
+  /// Input `i`; throws IrError when out of range.
+  Value* input(size_t i) const {
+    STAGEJIT_CHECK_AS(IrError, i < inputs_.size(), "node #", id_, " (", describe(), ") has ",
+                      inputs_.size(), " inputs, asked for input ", i);
+    return inputs_[i];
+  }
+  /// Appends an input (and its use). Throws IrError for a value of another graph.
+  Value* add_input(Value* v) {
+    check_same_graph(v);
+    v->uses_.push_back(Use{this, inputs_.size()});
+    inputs_.push_back(v);
+    return v;
+  }
+  /// Inserts an input at position `i`, renumbering the uses of later inputs.
+  Value* insert_input(size_t i, Value* v) {
+    check_same_graph(v);
+    STAGEJIT_CHECK_AS(IrError, i <= inputs_.size(), "insert_input position ", i, " past ",
+                      inputs_.size(), " inputs");
+    for (size_t j = i; j < inputs_.size(); ++j) renumber_use(j, j + 1);
+    inputs_.insert(inputs_.begin() + i, v);
+    v->uses_.push_back(Use{this, i});
+    return v;
+  }
+  /// Replaces input `i` by `v`; returns the old value.
+  Value* replace_input(size_t i, Value* v) {
+    check_same_graph(v);
+    Value* old = input(i);
+    old->remove_use(this, i);
+    inputs_[i] = v;
+    v->uses_.push_back(Use{this, i});
+    return old;
+  }
+  /// Replaces every input equal to `from` by `to`.
+  void replace_input_with(Value* from, Value* to) {
+    for (size_t i = 0; i < inputs_.size(); ++i)
+      if (inputs_[i] == from) replace_input(i, to);
+  }
+  /// Removes input `i`, renumbering the uses of later inputs.
+  void remove_input(size_t i) {
+    input(i)->remove_use(this, i);
+    for (size_t j = i + 1; j < inputs_.size(); ++j) renumber_use(j, j - 1);
+    inputs_.erase(inputs_.begin() + i);
+  }
+  void remove_all_inputs() {
+    while (!inputs_.empty()) remove_input(inputs_.size() - 1);
+  }
+
+  // ---- outputs
+  const std::vector<Value*>& outputs() const noexcept { return outputs_; }
+  /// Output `i`; throws IrError when out of range.
+  Value* output(size_t i) const {
+    STAGEJIT_CHECK_AS(IrError, i < outputs_.size(), "node #", id_, " (", describe(), ") has ",
+                      outputs_.size(), " outputs, asked for output ", i);
+    return outputs_[i];
+  }
+  /// The only output; throws IrError when the node has not exactly one.
+  Value* output() const {
+    STAGEJIT_CHECK_AS(IrError, outputs_.size() == 1, "node #", id_, " (", describe(), ") has ",
+                      outputs_.size(), " outputs, expected exactly one");
+    return outputs_[0];
+  }
+  /// Appends an output of the given type.
+  Value* add_output(Type type = UnknownType{});
+  /// Removes output `i` (which must have no uses), renumbering later offsets.
+  void erase_output(size_t i) {
+    Value* v = output(i);
+    STAGEJIT_CHECK_AS(IrError, !v->has_uses(), "cannot erase output ", i, " of node #", id_,
+                      " (", describe(), "): it still has ", v->uses().size(), " uses");
+    owned_outputs_.erase(owned_outputs_.begin() + i);
+    outputs_.erase(outputs_.begin() + i);
+    for (size_t j = i; j < outputs_.size(); ++j) outputs_[j]->offset_ = j;
+  }
+  /// Redirects the uses of each output to the same-index output of `other`.
+  void replace_all_uses_with(Node* other) {
+    STAGEJIT_CHECK_AS(IrError, other->outputs_.size() == outputs_.size(), "node #", id_,
+                      " has ", outputs_.size(), " outputs but its replacement #", other->id_,
+                      " has ", other->outputs_.size());
+    for (size_t i = 0; i < outputs_.size(); ++i) outputs_[i]->replace_all_uses_with(other->outputs_[i]);
+  }
+
+  // ---- position in the node list
+  /// True when the node is in its graph's node list.
+  bool in_list() const noexcept { return next_ != nullptr; }
+  Node* next() const noexcept { return next_; }
+  Node* prev() const noexcept { return prev_; }
+  /// Inserts this (unlisted) node before `n` (which is listed, or the Return node).
+  Node* insert_before(Node* n);
+  /// Inserts this (unlisted) node after the listed node `n`.
+  Node* insert_after(Node* n);
+  void move_before(Node* n) {
+    remove_from_list();
+    insert_before(n);
+  }
+  void move_after(Node* n) {
+    remove_from_list();
+    insert_after(n);
+  }
+  /// Takes the node out of the list (it stays owned by the graph).
+  void remove_from_list() {
+    STAGEJIT_CHECK_AS(IrError, in_list() && !is<Return>(), "node #", id_,
+                      " is not in the node list");
+    prev_->next_ = next_;
+    next_->prev_ = prev_;
+    prev_ = next_ = nullptr;
+  }
+  /// True when this listed node comes before the listed node `n`. O(distance).
+  bool is_before(const Node* n) const;
+  /// Removes the node from the graph and frees it. Its outputs must have no uses
+  /// (IrError otherwise); its inputs' uses are dropped.
+  void destroy();
+
+  /// See `ir::has_side_effects`.
+  bool has_side_effects() const { return ir::has_side_effects(kind_); }
+
+ private:
+  friend class Graph;
+  friend class Value;
+  Node(Graph* graph, NodeKind kind, size_t id, size_t stage)
+      : graph_(graph), kind_(std::move(kind)), id_(id), stage_(stage) {}
+  void check_same_graph(Value* v) const {
+    STAGEJIT_CHECK_AS(IrError, v != nullptr, "node #", id_, " (", describe(), "): null input");
+    STAGEJIT_CHECK_AS(IrError, v->owning_graph() == graph_, "node #", id_, " (", describe(),
+                      "): input value #", v->id(), " belongs to another graph");
+  }
+  void renumber_use(size_t from, size_t to) {
+    for (auto& u : inputs_[from]->uses_)
+      if (u.user == this && u.offset == from) {
+        u.offset = to;
+        return;
+      }
+  }
+
+  Graph* graph_;
+  NodeKind kind_;
+  size_t id_;
+  size_t stage_;
+  std::vector<Value*> inputs_;
+  std::vector<std::unique_ptr<Value>> owned_outputs_;
+  std::vector<Value*> outputs_;
+  Node* prev_ = nullptr;
+  Node* next_ = nullptr;
+  SourceLocation location_;
+};
+
+/// A multi-stage graph (Note [Stages]). Not copyable: use `clone()`.
+class Graph {
+ public:
+  Graph() {
+    return_node_ = new_node(Return{}, return_stage);
+    return_node_->prev_ = return_node_->next_ = return_node_;
+    stage_output_counts_.push_back(0);
+  }
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  ~Graph() {
+    // Drop every edge first so destruction order does not matter.
+    for (auto& [p, n] : owned_) n->inputs_.clear();
+  }
+
+  // ---------------------------------------------------------------- inputs
+  /// Adds a graph input of `stage` (a Param node's output), placed after every input
+  /// of stage <= `stage` so inputs stay in stage order. Returns the new value.
+  Value* add_input(Type type, size_t stage, std::string name = {}) {
+    ensure_stage(stage);
+    Node* param = new_node(Param{}, stage);
+    Value* v = param->add_output(std::move(type));
+    v->set_name(std::move(name));
+    auto pos = std::find_if(inputs_.begin(), inputs_.end(),
+                            [&](Value* in) { return in->stage() > stage; });
+    inputs_.insert(pos, v);
+    return v;
+  }
+  /// All graph inputs, stage 0 first.
+  const std::vector<Value*>& inputs() const noexcept { return inputs_; }
+  /// The inputs of one stage, in order.
+  std::vector<Value*> stage_inputs(size_t stage) const {
+    std::vector<Value*> out;
+    for (Value* v : inputs_)
+      if (v->stage() == stage) out.push_back(v);
+    return out;
+  }
+  /// Removes graph input `i`, which must have no uses.
+  void erase_input(size_t i) {
+    STAGEJIT_CHECK_AS(IrError, i < inputs_.size(), "graph has ", inputs_.size(),
+                      " inputs, cannot erase input ", i);
+    Value* v = inputs_[i];
+    STAGEJIT_CHECK_AS(IrError, !v->has_uses(), "cannot erase graph input ", i, ": it has ",
+                      v->uses().size(), " uses");
+    inputs_.erase(inputs_.begin() + i);
+    owned_.erase(v->node());
+  }
+
+  // ---------------------------------------------------------------- outputs
+  /// Appends `v` to the outputs of `stage` (after that stage's earlier outputs, before
+  /// any later stage's). Returns its index in `outputs()`.
+  size_t register_output(Value* v, size_t stage) {
+    ensure_stage(stage);
+    size_t pos = 0;
+    for (size_t s = 0; s <= stage; ++s) pos += stage_output_counts_[s];
+    return_node_->insert_input(pos, v);
+    ++stage_output_counts_[stage];
+    return pos;
+  }
+  /// All graph outputs, grouped by stage (stage 0 first).
+  const std::vector<Value*>& outputs() const noexcept { return return_node_->inputs(); }
+  /// How many outputs each stage has; one entry per stage (Note [Stages]).
+  const std::vector<size_t>& stage_output_counts() const noexcept { return stage_output_counts_; }
+  /// The outputs of one stage.
+  std::vector<Value*> stage_outputs(size_t stage) const {
+    STAGEJIT_CHECK_AS(IrError, stage < stage_output_counts_.size(), "graph has ",
+                      stage_output_counts_.size(), " stages, asked for outputs of stage ", stage);
+    size_t begin = 0;
+    for (size_t s = 0; s < stage; ++s) begin += stage_output_counts_[s];
+    const auto& outs = outputs();
+    return {outs.begin() + begin, outs.begin() + begin + stage_output_counts_[stage]};
+  }
+  /// The stage whose group holds output `i`.
+  size_t output_stage(size_t i) const {
+    STAGEJIT_CHECK_AS(IrError, i < outputs().size(), "graph has ", outputs().size(),
+                      " outputs, asked for output ", i);
+    for (size_t s = 0;; ++s) {
+      if (i < stage_output_counts_[s]) return s;
+      i -= stage_output_counts_[s];
+    }
+  }
+  /// Removes graph output `i` from its stage group.
+  void erase_output(size_t i) {
+    size_t stage = output_stage(i);
+    return_node_->remove_input(i);
+    --stage_output_counts_[stage];
+  }
+  /// The Return sentinel (its inputs are the outputs). Not in `nodes()`.
+  Node* return_node() const noexcept { return return_node_; }
+
+  // ---------------------------------------------------------------- stages
+  /// Number of stages (= `stage_output_counts().size()`, at least 1).
+  size_t num_stages() const noexcept { return stage_output_counts_.size(); }
+  /// Makes the graph have at least `stage + 1` stages (adding empty output groups).
+  void ensure_stage(size_t stage) {
+    STAGEJIT_CHECK_AS(IrError, stage != return_stage && stage < (size_t(1) << 20),
+                      "stage ", stage, " is out of range");
+    if (stage_output_counts_.size() <= stage) stage_output_counts_.resize(stage + 1, 0);
+  }
+  /// The stage stamped on nodes made by `create` (SPEC 1.1 "new_node_stage").
+  size_t current_stage() const noexcept { return current_stage_; }
+  void set_current_stage(size_t stage) {
+    ensure_stage(stage);
+    current_stage_ = stage;
+  }
+
+  // ---------------------------------------------------------------- nodes
+  /// Makes an unlisted node of `kind` at `current_stage()` with `inputs` and one output
+  /// per entry of `output_types`. Param and Return cannot be created (IrError): use
+  /// `add_input` / `register_output`.
+  Node* create(NodeKind kind, const std::vector<Value*>& inputs = {},
+               const std::vector<Type>& output_types = {UnknownType{}}) {
+    STAGEJIT_CHECK_AS(IrError,
+                      !std::holds_alternative<Param>(kind) && !std::holds_alternative<Return>(kind),
+                      "Graph::create cannot make ", ir::kind_name(kind),
+                      " nodes (use add_input / register_output)");
+    Node* n = new_node(std::move(kind), current_stage_);
+    for (Value* v : inputs) n->add_input(v);
+    for (const Type& t : output_types) n->add_output(t);
+    return n;
+  }
+  /// Appends `n` (unlisted, of this graph) at the end of the node list.
+  Node* append(Node* n) { return n->insert_before(return_node_); }
+  /// Inserts `n` at the front of the node list.
+  Node* prepend(Node* n) { return n->insert_after(return_node_); }
+  /// `create` then `append`.
+  Node* create_and_append(NodeKind kind, const std::vector<Value*>& inputs = {},
+                          const std::vector<Type>& output_types = {UnknownType{}}) {
+    return append(create(std::move(kind), inputs, output_types));
+  }
+  /// An appended Constant node holding `value` (kept as given; its type is taken from
+  /// it). Throws IrError for an undefined tensor.
+  Value* append_constant(const at::Tensor& value) {
+    STAGEJIT_CHECK_AS(IrError, value.defined(), "a Constant needs a defined tensor");
+    return create_and_append(Constant{value}, {}, {TensorType::of(value)})->output();
+  }
+  /// An appended Undefined node's output.
+  Value* append_undefined() { return create_and_append(Undefined{}, {}, {UnknownType{}})->output(); }
+
+  /// The listed nodes in order (a topological order), as a snapshot safe to mutate
+  /// the graph while iterating.
+  std::vector<Node*> nodes() const {
+    std::vector<Node*> out;
+    for (Node* n = return_node_->next_; n != return_node_; n = n->next_) out.push_back(n);
+    return out;
+  }
+  /// Every node the graph owns (listed or not, Params and Return included), unordered.
+  std::vector<Node*> all_nodes() const {
+    std::vector<Node*> out;
+    out.reserve(owned_.size());
+    for (auto& [p, n] : owned_) out.push_back(n.get());
+    return out;
+  }
+  /// True when `n` is owned by this graph.
+  bool owns(const Node* n) const { return owned_.count(n) != 0; }
+
+  // ---------------------------------------------------------------- copying
+  /// Makes an unlisted copy of `n` in this graph: same kind (FusionGroup subgraphs
+  /// deep-copied), stage, output types and (when `copy_names`) names; inputs mapped
+  /// through `value_map`.
+  Node* create_clone(const Node& n, const std::function<Value*(Value*)>& value_map,
+                     bool copy_names = false) {
+    NodeKind kind = n.kind_;
+    if (auto fg = std::get_if<FusionGroup>(&kind); fg && fg->subgraph) fg->subgraph = fg->subgraph->clone();
+    STAGEJIT_CHECK_AS(IrError, !std::holds_alternative<Param>(kind) && !std::holds_alternative<Return>(kind),
+                      "create_clone cannot copy a ", ir::kind_name(kind), " node");
+    Node* c = new_node(std::move(kind), n.stage_);
+    ensure_stage(n.stage_);
+    for (Value* v : n.inputs_) c->add_input(value_map(v));
+    for (Value* v : n.outputs_) {
+      Value* o = c->add_output(v->type_);
+      if (copy_names) o->name_ = v->name_;
+    }
+    c->location_ = n.location_;
+    return c;
+  }
+  /// A deep copy: same inputs, nodes, stages, names, outputs and output groups.
+  std::shared_ptr<Graph> clone() const {
+    auto g = std::make_shared<Graph>();
+    std::unordered_map<const Value*, Value*> map;
+    for (Value* in : inputs_) map[in] = g->add_input(in->type_, in->stage(), in->name_);
+    auto lookup = [&](Value* v) {
+      auto it = map.find(v);
+      STAGEJIT_CHECK_AS(IrError, it != map.end(), "clone: value #", v->id(),
+                        " is used before it is defined");
+      return it->second;
+    };
+    for (Node* n : nodes()) {
+      Node* c = g->append(g->create_clone(*n, lookup, true));
+      for (size_t i = 0; i < n->outputs_.size(); ++i) map[n->outputs_[i]] = c->outputs_[i];
+    }
+    g->stage_output_counts_.assign(stage_output_counts_.size(), 0);
+    for (size_t i = 0; i < outputs().size(); ++i)
+      g->register_output(lookup(outputs()[i]), output_stage(i));
+    g->current_stage_ = current_stage_;
+    return g;
+  }
+  /// Copies the nodes of `sub` before `insert_point` (a listed node of this graph or the
+  /// Return node), feeding `sub`'s inputs from `inputs`; the copies get `stage`.
+  /// Returns the values that correspond to `sub`'s outputs. (Inlining a FusionGroup.)
+  std::vector<Value*> inline_graph(const Graph& sub, const std::vector<Value*>& inputs,
+                                   Node* insert_point, size_t stage) {
+    STAGEJIT_CHECK_AS(IrError, inputs.size() == sub.inputs_.size(), "inline_graph: subgraph has ",
+                      sub.inputs_.size(), " inputs, given ", inputs.size());
+    std::unordered_map<const Value*, Value*> map;
+    for (size_t i = 0; i < inputs.size(); ++i) map[sub.inputs_[i]] = inputs[i];
+    auto lookup = [&](Value* v) {
+      auto it = map.find(v);
+      STAGEJIT_CHECK_AS(IrError, it != map.end(), "inline_graph: value #", v->id(),
+                        " is used before it is defined");
+      return it->second;
+    };
+    for (Node* n : sub.nodes()) {
+      Node* c = create_clone(*n, lookup)->set_stage(stage);
+      c->insert_before(insert_point);
+      for (size_t i = 0; i < n->outputs_.size(); ++i) map[n->outputs_[i]] = c->outputs_[i];
+    }
+    std::vector<Value*> outs;
+    for (Value* v : sub.outputs()) outs.push_back(lookup(v));
+    return outs;
+  }
+
+  /// The value whose debug name is `name`, or nullptr.
+  Value* find_value(std::string_view name) const {
+    for (auto& [p, n] : owned_)
+      for (Value* v : n->outputs_)
+        if (v->name_ == name) return v;
+    return nullptr;
+  }
+
+ private:
+  friend class Node;
+  Node* new_node(NodeKind kind, size_t stage) {
+    auto n = std::unique_ptr<Node>(new Node(this, std::move(kind), next_id_++, stage));
+    Node* p = n.get();
+    owned_.emplace(p, std::move(n));
+    return p;
+  }
+  size_t next_value_id() { return next_id_++; }
+
+  std::unordered_map<const Node*, std::unique_ptr<Node>> owned_;
+  Node* return_node_;
+  std::vector<Value*> inputs_;
+  std::vector<size_t> stage_output_counts_;
+  size_t current_stage_ = 0;
+  size_t next_id_ = 0;
+};
+
+// ---------------------------------------------------------------- out-of-line members
+
+inline std::ostream& operator<<(std::ostream& os, const Use& u) {
+  return os << "Use(user #" << (u.user ? u.user->id() : 0) << ", offset " << u.offset << ")";
+}
+
+inline size_t Value::stage() const noexcept { return node_->stage(); }
+inline Graph* Value::owning_graph() const noexcept { return node_->owning_graph(); }
+
+inline void Value::replace_all_uses_with(Value* other) {
+  STAGEJIT_CHECK_AS(IrError, other && other->owning_graph() == owning_graph(),
+                    "replace_all_uses_with: replacement of value #", id_,
+                    " must belong to the same graph");
+  if (other == this) return;
+  auto uses = uses_;
+  for (const Use& u : uses) u.user->replace_input(u.offset, other);
+}
+
+inline Node* Node::set_stage(size_t stage) {
+  STAGEJIT_CHECK_AS(IrError, !is<Return>(), "the Return node's stage is fixed");
+  graph_->ensure_stage(stage);
+  stage_ = stage;
+  return this;
+}
+
+inline Value* Node::add_output(Type type) {
+  owned_outputs_.push_back(std::unique_ptr<Value>(
+      new Value(this, outputs_.size(), graph_->next_value_id(), std::move(type))));
+  outputs_.push_back(owned_outputs_.back().get());
+  return outputs_.back();
+}
+
+inline Node* Node::insert_before(Node* n) {
+  STAGEJIT_CHECK_AS(IrError, !in_list() && !is<Param>() && !is<Return>(), "node #", id_, " (",
+                    describe(), ") cannot be inserted: it is already listed or a Param/Return");
+  STAGEJIT_CHECK_AS(IrError, n && n->graph_ == graph_ && n->in_list(),
+                    "insertion point of node #", id_, " is not a listed node of its graph");
+  prev_ = n->prev_;
+  next_ = n;
+  n->prev_->next_ = this;
+  n->prev_ = this;
+  return this;
+}
+
+inline Node* Node::insert_after(Node* n) {
+  STAGEJIT_CHECK_AS(IrError, n && n->graph_ == graph_ && n->in_list(),
+                    "insertion point of node #", id_, " is not a listed node of its graph");
+  return insert_before(n->next_);
+}
+
+inline bool Node::is_before(const Node* n) const {
+  for (const Node* p = next_; p && !p->is<Return>(); p = p->next_)
+    if (p == n) return true;
+  return false;
+}
+
+inline void Node::destroy() {
+  STAGEJIT_CHECK_AS(IrError, !is<Return>(), "the Return node cannot be destroyed");
+  STAGEJIT_CHECK_AS(IrError, !is<Param>(), "destroy a graph input with Graph::erase_input");
+  for (Value* v : outputs_)
+    STAGEJIT_CHECK_AS(IrError, !v->has_uses(), "cannot destroy node #", id_, " (", describe(),
+                      "): output ", v->offset(), " still has ", v->uses().size(), " uses");
+  remove_all_inputs();
+  if (in_list()) remove_from_list();
+  graph_->owned_.erase(this);
+}
+
+}  // namespace stagejit::ir
+
+#ifdef STAGEJIT_TESTING
+#include <stagejit/testing/doctest.hpp>
+TEST_SUITE("ir") {
+  TEST_CASE("Graph keeps use lists, input stage order and per-stage output groups") {
+    using namespace stagejit::ir;
+    Graph g;
+    Value* x = g.add_input(TensorType::contiguous(at::kFloat, {3}), 0, "x");
+    Value* gy = g.add_input(TensorType::contiguous(at::kFloat, {3}), 1, "gy");
+    Value* w = g.add_input(TensorType::contiguous(at::kFloat, {3}), 0, "w");
+    CHECK(g.inputs() == std::vector<Value*>{x, w, gy});
+    Node* m = g.create_and_append(Op::with("mul"), {x, w}, {x->type()});
+    CHECK(x->uses() == std::vector<Use>{{m, 0}});
+    g.set_current_stage(1);
+    Node* m2 = g.create_and_append(Op::with("mul"), {gy, w}, {x->type()});
+    CHECK(m2->stage() == 1);
+    g.register_output(m2->output(), 1);
+    g.register_output(m->output(), 0);
+    CHECK(g.outputs() == std::vector<Value*>{m->output(), m2->output()});
+    CHECK(g.stage_output_counts() == std::vector<size_t>{1, 1});
+    m->output()->replace_all_uses_with(x);
+    CHECK(g.outputs()[0] == x);
+    m->destroy();
+    CHECK(g.nodes() == std::vector<Node*>{m2});
+    CHECK(w->uses() == std::vector<Use>{{m2, 1}});
+    CHECK_THROWS_AS(m2->destroy(), stagejit::IrError);
+  }
+}
+#endif

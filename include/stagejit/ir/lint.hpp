@@ -1,0 +1,229 @@
+#pragma once
+/// \file
+/// `ir::lint`: checks every IR invariant (SPEC 1.7 restated for Values, plus the stage
+/// and Handle rules of the multi-stage IR). Each rule has a name, used in the message:
+///
+/// - `use-list`: every input edge has exactly one matching Use on its value and every
+///   Use matches an input slot; inputs belong to this graph.
+/// - `stage`: a node's stage is >= the stage of each input.
+/// - `stage-order`: node stages never decrease along the node list.
+/// - `handle`: a Handle is only the last output of a HostOp or Eval, and only the last
+///   input of an Eval; an Eval's last input is a Handle; graph inputs and outputs are
+///   never Handles.
+/// - `def-before-use`: every input is a graph input or an output of an earlier node.
+/// - `unique-names`: debug names are unique in the graph.
+/// - `output-groups`: one output group per stage, counts sum to the outputs, and an
+///   output of group s has stage <= s; every node and input stage has a group.
+/// - `arity`: Param, Constant and Undefined have no inputs and one output; Transpose and
+///   Reshape have 1 input, Gemm 3; each of these has one output.
+/// - `calling-convention`: a HostOp's convention has only `t`/`s`, as many `t` as
+///   tensor inputs and as many `s` as scalars.
+/// - `fusion-group`: the subgraph exists, lints, is single-stage, and its input and
+///   output counts match the node's.
+/// - `structure`: the graph's inputs are Param outputs in stage order and nodes in the
+///   list are not Param/Return.
+///
+/// Throws `LintError` (an `IrError`) naming the node, the rule, and what was expected.
+
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <stagejit/core/error.hpp>
+#include <stagejit/ir/detail/names.hpp>
+#include <stagejit/ir/graph.hpp>
+#include <stagejit/ir/kinds.hpp>
+
+namespace stagejit::ir {
+
+/// An IR invariant violation found by `lint`: `rule()` is the rule's name, `location()`
+/// the source position of the offending node when it was parsed (else unknown).
+class LintError : public IrError {
+ public:
+  LintError(std::string rule, SourceLocation loc, const std::string& message)
+      : IrError(message), rule_(std::move(rule)), location_(loc) {}
+  const std::string& rule() const noexcept { return rule_; }
+  const SourceLocation& location() const noexcept { return location_; }
+
+ private:
+  std::string rule_;
+  SourceLocation location_;
+};
+
+namespace detail {
+
+class Linter {
+ public:
+  explicit Linter(const Graph& g) : g_(g), names_(g) {}
+
+  void run() {
+    check_inputs();
+    std::unordered_set<const Value*> defined(g_.inputs().begin(), g_.inputs().end());
+    size_t last_stage = 0;
+    for (Node* n : g_.nodes()) {
+      if (n->is<Param>() || n->is<Return>()) fail(n, "structure", "Param and Return nodes may not be in the node list");
+      if (n->stage() < last_stage)
+        fail(n, "stage-order", "stage " + std::to_string(n->stage()) + " comes after a node of stage " +
+                                   std::to_string(last_stage) + "; node stages must not decrease");
+      last_stage = n->stage();
+      if (n->stage() >= g_.num_stages())
+        fail(n, "output-groups", "stage " + std::to_string(n->stage()) + " has no output group (graph has " +
+                                     std::to_string(g_.num_stages()) + ")");
+      check_node(n, defined);
+      for (Value* o : n->outputs()) defined.insert(o);
+    }
+    check_node(g_.return_node(), defined);
+    check_outputs();
+    check_names();
+  }
+
+ private:
+  [[noreturn]] void fail(const Node* n, const std::string& rule, const std::string& what) const {
+    throw LintError(rule, n->location(),
+                    "lint: " + std::string(n->is<Return>() ? "return" : "node " + names_.node(n)) +
+                        (n->is<Return>() ? "" : " at stage " + std::to_string(n->stage())) + ": rule '" +
+                        rule + "': " + what);
+  }
+
+  void check_inputs() {
+    size_t last = 0;
+    for (Value* v : g_.inputs()) {
+      if (v->owning_graph() != &g_ || !v->node()->is<Param>() || v->node()->outputs().size() != 1)
+        fail(v->node(), "structure", "graph input " + names_(v) + " is not the output of a Param of this graph");
+      if (v->stage() < last) fail(v->node(), "structure", "graph inputs are not in stage order");
+      last = v->stage();
+      if (v->stage() >= g_.num_stages())
+        fail(v->node(), "output-groups", "input stage " + std::to_string(v->stage()) + " has no output group");
+      if (v->is_handle()) fail(v->node(), "handle", "graph input " + names_(v) + " is a Handle");
+      if (!v->node()->inputs().empty()) fail(v->node(), "arity", "a Param has no inputs");
+      check_uses_of(v);
+    }
+  }
+
+  void check_uses_of(const Value* v) const {
+    for (const Use& u : v->uses()) {
+      if (!u.user || !g_.owns(u.user) || u.offset >= u.user->inputs().size() || u.user->inputs()[u.offset] != v)
+        fail(v->node(), "use-list", "value " + names_(v) + " lists a use that is not an input edge");
+      if ((!u.user->in_list() && !u.user->is<Return>()))
+        fail(v->node(), "use-list", "value " + names_(v) + " is used by a node that is not in the graph's list");
+    }
+  }
+
+  void check_node(const Node* n, const std::unordered_set<const Value*>& defined) const {
+    const auto& ins = n->inputs();
+    for (size_t i = 0; i < ins.size(); ++i) {
+      const Value* v = ins[i];
+      if (!v || v->owning_graph() != &g_)
+        fail(n, "use-list", "input " + std::to_string(i) + " belongs to another graph");
+      size_t count = 0;
+      for (const Use& u : v->uses()) count += (u.user == n && u.offset == i);
+      if (count != 1)
+        fail(n, "use-list", "input " + std::to_string(i) + " (" + names_(v) + ") has " + std::to_string(count) +
+                                " matching uses, expected exactly 1");
+      if (!defined.count(v))
+        fail(n, "def-before-use", "input " + names_(v) + " is not defined before this node");
+      if (!n->is<Return>() && v->stage() > n->stage())
+        fail(n, "stage", "input " + names_(v) + " has stage " + std::to_string(v->stage()) +
+                             ", later than the node's");
+      if (v->is_handle() && !(n->is<Eval>() && i + 1 == ins.size()))
+        fail(n, "handle", "Handle " + names_(v) + " may only be the last input of an Eval");
+    }
+    for (const Value* o : n->outputs()) {
+      check_uses_of(o);
+      if (o->is_handle() && !((n->is<HostOp>() || n->is<Eval>()) && o->offset() + 1 == n->outputs().size()))
+        fail(n, "handle", "Handle output " + names_(o) + " may only be the last output of a HostOp or Eval");
+    }
+    std::visit([&](const auto& k) { check_kind(n, k); }, n->kind());
+  }
+
+  template <class K>
+  void check_kind(const Node* n, const K& k) const {
+    auto arity = [&](size_t ins, const char* what) {
+      if (n->inputs().size() != ins || n->outputs().size() != 1)
+        fail(n, "arity", std::string(what) + " takes " + std::to_string(ins) + " inputs and has 1 output, found " +
+                             std::to_string(n->inputs().size()) + " inputs and " +
+                             std::to_string(n->outputs().size()) + " outputs");
+    };
+    if constexpr (std::is_same_v<K, Param>) {
+      fail(n, "structure", "a Param is not a graph input");
+    } else if constexpr (std::is_same_v<K, Constant>) {
+      arity(0, "Constant");
+      if (!k.value.defined()) fail(n, "arity", "a Constant holds an undefined tensor");
+    } else if constexpr (std::is_same_v<K, Undefined>) {
+      arity(0, "Undefined");
+    } else if constexpr (std::is_same_v<K, Transpose> || std::is_same_v<K, Reshape>) {
+      arity(1, std::is_same_v<K, Transpose> ? "Transpose" : "Reshape");
+    } else if constexpr (std::is_same_v<K, Gemm>) {
+      arity(3, "Gemm");
+    } else if constexpr (std::is_same_v<K, Eval>) {
+      if (n->inputs().empty() || !n->inputs().back()->is_handle())
+        fail(n, "handle", "an Eval's last input must be the Handle it runs");
+    } else if constexpr (std::is_same_v<K, HostOp>) {
+      size_t t = 0, s = 0;
+      for (char c : k.calling_convention) {
+        if (c == 't') ++t;
+        else if (c == 's') ++s;
+        else fail(n, "calling-convention", "convention '" + k.calling_convention + "' may only contain 't' and 's'");
+      }
+      if (t != n->inputs().size() || s != k.scalars.size())
+        fail(n, "calling-convention", "convention '" + k.calling_convention + "' expects " + std::to_string(t) +
+                                          " inputs and " + std::to_string(s) + " scalars, found " +
+                                          std::to_string(n->inputs().size()) + " and " +
+                                          std::to_string(k.scalars.size()));
+    } else if constexpr (std::is_same_v<K, FusionGroup>) {
+      if (!k.subgraph) fail(n, "fusion-group", "the FusionGroup has no subgraph");
+      const Graph& sub = *k.subgraph;
+      if (sub.inputs().size() != n->inputs().size() || sub.outputs().size() != n->outputs().size())
+        fail(n, "fusion-group", "subgraph has " + std::to_string(sub.inputs().size()) + " inputs and " +
+                                    std::to_string(sub.outputs().size()) + " outputs, node has " +
+                                    std::to_string(n->inputs().size()) + " and " +
+                                    std::to_string(n->outputs().size()));
+      if (sub.num_stages() != 1) fail(n, "fusion-group", "the subgraph must have a single stage");
+      try {
+        Linter(sub).run();
+      } catch (const LintError& e) {
+        fail(n, "fusion-group", std::string("subgraph: ") + e.what());
+      }
+    }
+  }
+
+  void check_outputs() const {
+    const auto& counts = g_.stage_output_counts();
+    size_t total = 0;
+    for (size_t c : counts) total += c;
+    if (total != g_.outputs().size())
+      fail(g_.return_node(), "output-groups", "stage output counts sum to " + std::to_string(total) + " but there are " +
+                                                  std::to_string(g_.outputs().size()) + " outputs");
+    for (size_t i = 0; i < g_.outputs().size(); ++i) {
+      const Value* v = g_.outputs()[i];
+      size_t s = g_.output_stage(i);
+      if (v->stage() > s)
+        fail(g_.return_node(), "output-groups", "output " + names_(v) + " of stage " + std::to_string(v->stage()) +
+                                                    " is in the group of stage " + std::to_string(s));
+      if (v->is_handle()) fail(g_.return_node(), "handle", "graph output " + names_(v) + " is a Handle");
+    }
+  }
+
+  void check_names() const {
+    std::unordered_map<std::string, const Value*> seen;
+    auto visit = [&](const Value* v) {
+      if (!v->has_name()) return;
+      auto [it, fresh] = seen.emplace(v->name(), v);
+      if (!fresh) fail(v->node(), "unique-names", "name %" + v->name() + " is used by two values");
+    };
+    for (Value* v : g_.inputs()) visit(v);
+    for (Node* n : g_.nodes())
+      for (Value* v : n->outputs()) visit(v);
+  }
+
+  const Graph& g_;
+  NameTable names_;
+};
+
+}  // namespace detail
+
+/// Checks every invariant listed in the file comment; throws LintError (an IrError)
+/// naming the node and the rule at the first violation.
+inline void lint(const Graph& graph) { detail::Linter(graph).run(); }
+
+}  // namespace stagejit::ir

@@ -1,0 +1,663 @@
+#pragma once
+/// \file
+/// `ir::parse`: reads the canonical text form (printer.hpp) and the seed-era form of
+/// SPEC 1.8 back into a Graph.
+///
+/// Seed-era extras accepted:
+/// - a `, uses = [...]` suffix after a node's inputs: `[%5.i0, %0.i1]` for a single
+///   output, `[[...], [...]]` with one list per output. It is checked against the real
+///   uses: the same number, and each `%N.iK` matches a distinct use at input `K` of the
+///   node whose single output is `%N` (or of the return statement for `%0` when no value
+///   is called `%0`; or of a multi-output node when `%N` names no value, because the seed
+///   hides the ids of multi-output nodes).
+/// - `^Name(scalars)(inputs)` without a calling convention: tensors first, then scalars.
+/// - `CppOp[Name](inputs)`: an `Eval` when Name is an Eval name (`Eval`,
+///   `N5torch8autograd4EvalE`, ...), else a HostOp with convention `t` per input.
+/// - `return (...)` without `|`: each output goes to the group of its producer's stage.
+/// - `UNKNOWN_TYPE`, `fusion_group_N` with its `with fusion_group_N = graph(...)` block,
+///   header inputs without commas, value names like `%3.1`.
+/// Value names that start with a digit are not kept (the printer renumbers them).
+/// Any malformed text throws `ParseError` (1-based line:column, and what was expected).
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include <stagejit/core/error.hpp>
+#include <stagejit/ir/attributes.hpp>
+#include <stagejit/ir/detail/lexer.hpp>
+#include <stagejit/ir/detail/literals.hpp>
+#include <stagejit/ir/graph.hpp>
+#include <stagejit/ir/kinds.hpp>
+#include <stagejit/ir/type.hpp>
+
+namespace stagejit::ir {
+
+namespace detail {
+
+class Parser {
+ public:
+  explicit Parser(std::string_view text) : lex_(text) {}
+
+  std::shared_ptr<Graph> parse_file() {
+    auto g = parse_graph(0);
+    const Token& t = lex_.peek();
+    if (t.kind != TokenKind::End) fail(t, "expected end of input after the graph, found " + t.describe());
+    return g;
+  }
+
+ private:
+  static constexpr size_t max_depth = 32;
+
+  struct UseRef {
+    Token token;
+    std::string user;
+    size_t offset;
+  };
+  struct PendingUses {
+    Node* node;
+    Token at;
+    bool nested;
+    std::vector<std::vector<UseRef>> per_output;
+  };
+  struct Scope {
+    std::unordered_map<std::string, Value*> values;
+    std::vector<PendingUses> uses;
+    std::map<std::string, Node*> fusion_refs;  // fusion_group_N -> node, until its `with`
+  };
+  struct Literal {
+    AttributeValue value;
+    bool is_bool = false;
+  };
+
+  [[noreturn]] void fail(const Token& t, const std::string& msg) { lex_.fail(t, msg); }
+
+  Token expect_punct(char c, std::string_view what) {
+    Token t = lex_.next();
+    if (!t.is(c)) fail(t, "expected '" + std::string(1, c) + "' " + std::string(what) + ", found " + t.describe());
+    return t;
+  }
+  Token expect_ident(std::string_view what) {
+    Token t = lex_.next();
+    if (t.kind != TokenKind::Ident) fail(t, "expected " + std::string(what) + ", found " + t.describe());
+    return t;
+  }
+  Token expect_keyword(std::string_view kw) {
+    Token t = lex_.next();
+    if (!t.is_ident(kw)) fail(t, "expected '" + std::string(kw) + "', found " + t.describe());
+    return t;
+  }
+  bool accept(char c) {
+    if (lex_.peek().is(c)) {
+      lex_.next();
+      return true;
+    }
+    return false;
+  }
+  int64_t parse_int(const Token& t, std::string_view what) {
+    int64_t v = 0;
+    if (t.kind != TokenKind::Number || !parse_number(t.text, v))
+      fail(t, "expected " + std::string(what) + " (an integer), found " + t.describe());
+    return v;
+  }
+
+  // `-------- stage K --------`
+  size_t parse_separator(size_t current) {
+    lex_.next();  // the opening dashes
+    expect_keyword("stage");
+    Token num = lex_.next();
+    int64_t k = parse_int(num, "a stage number");
+    if (k < 0 || k > (1 << 20)) fail(num, "stage number " + num.text + " is out of range");
+    Token close = lex_.next();
+    if (close.kind != TokenKind::Dashes) fail(close, "expected '--------' after the stage number, found " + close.describe());
+    if (size_t(k) <= current)
+      fail(num, "expected a stage after " + std::to_string(current) + " (stages only increase), found " + num.text);
+    return size_t(k);
+  }
+
+  Type parse_type() {
+    Token t = lex_.next();
+    if (t.kind != TokenKind::Ident) fail(t, "expected a type (e.g. Float(2, 3), Handle), found " + t.describe());
+    if (t.text == "Handle") return HandleType{};
+    if (t.text == "UNKNOWN_TYPE") return UnknownType{};
+    auto dtype = dtype_from_name(t.text);
+    if (!dtype) fail(t, "unknown type '" + t.text + "'; expected a dtype such as Float, Handle or UNKNOWN_TYPE");
+    auto [sizes, marks, device] = parse_dims();
+    return TensorType{*dtype, sizes, parse_strides(sizes, marks), device};
+  }
+
+  // `(3, 4!, device=cuda:0)`
+  std::tuple<std::vector<int64_t>, std::vector<bool>, at::Device> parse_dims() {
+    expect_punct('(', "to open the sizes");
+    std::vector<int64_t> sizes;
+    std::vector<bool> marks;
+    at::Device device = at::kCPU;
+    if (accept(')')) return {sizes, marks, device};
+    for (;;) {
+      Token t = lex_.next();
+      if (t.is_ident("device")) {
+        expect_punct('=', "after 'device'");
+        Token d = expect_ident("a device (cpu, cuda:0)");
+        std::string spec = d.text;
+        if (accept(':')) spec += ":" + std::to_string(parse_int(lex_.next(), "a device index"));
+        try {
+          device = at::Device(spec);
+        } catch (const std::exception&) {
+          fail(d, "invalid device '" + spec + "'");
+        }
+        expect_punct(')', "after the device");
+        return {sizes, marks, device};
+      }
+      int64_t s = parse_int(t, "a size");
+      if (s < 0) fail(t, "size " + t.text + " is negative");
+      sizes.push_back(s);
+      marks.push_back(accept('!'));
+      Token sep = lex_.next();
+      if (sep.is(')')) return {sizes, marks, device};
+      if (!sep.is(',')) fail(sep, "expected ',' or ')' in the sizes, found " + sep.describe());
+    }
+  }
+
+  Literal parse_literal(bool in_list = false) {
+    Token t = lex_.next();
+    if (t.kind == TokenKind::Number) {
+      int64_t i;
+      if (parse_number(t.text, i)) return {AttributeValue(i)};
+      double d;
+      if (t.text.find_first_of(".eEn") != std::string::npos) {
+        std::string_view body = t.text;
+        if (!body.empty() && (body[0] == '+' || body[0] == '-')) body.remove_prefix(1);
+        if (body == "inf") return {AttributeValue(t.text[0] == '-' ? -INFINITY : INFINITY)};
+        if (body == "nan") return {AttributeValue(double(NAN))};
+        if (parse_number(t.text, d)) return {AttributeValue(d)};
+      }
+      fail(t, "number " + t.text + " is out of range");
+    }
+    if (t.kind == TokenKind::String) return {AttributeValue(t.text)};
+    if (t.is('<')) fail(t, "elided values such as <Tensor> or <Graph> cannot be parsed");
+    if (t.is('[')) {
+      if (in_list) fail(t, "nested lists are not supported");
+      std::vector<Literal> items;
+      std::vector<Token> at;
+      if (!accept(']')) {
+        for (;;) {
+          at.push_back(lex_.peek());
+          items.push_back(parse_literal(true));
+          Token sep = lex_.next();
+          if (sep.is(']')) break;
+          if (!sep.is(',')) fail(sep, "expected ',' or ']' in a list, found " + sep.describe());
+        }
+      }
+      return {make_list(items, at, t)};
+    }
+    if (t.kind == TokenKind::Ident) {
+      if (t.text == "true" || t.text == "false") return {AttributeValue(int64_t(t.text == "true")), true};
+      if (t.text == "inf") return {AttributeValue(double(INFINITY))};
+      if (t.text == "nan") return {AttributeValue(double(NAN))};
+      for (std::string_view k : {"fs", "is", "ss", "ts", "gs"}) {
+        if (t.text != k) continue;
+        expect_punct('[', "after a list kind");
+        expect_punct(']', "(a kind-prefixed list is empty)");
+        if (k == "fs") return {AttributeValue(std::vector<double>{})};
+        if (k == "is") return {AttributeValue(std::vector<int64_t>{})};
+        if (k == "ss") return {AttributeValue(std::vector<std::string>{})};
+        if (k == "ts") return {AttributeValue(std::vector<at::Tensor>{})};
+        return {AttributeValue(std::vector<std::shared_ptr<Graph>>{})};
+      }
+      if (auto dtype = dtype_from_name(t.text)) return {AttributeValue(parse_tensor(t, *dtype))};
+    }
+    fail(t, "expected a value (number, string, list or tensor literal), found " + t.describe());
+  }
+
+  AttributeValue make_list(const std::vector<Literal>& items, const std::vector<Token>& at, const Token& open) {
+    if (items.empty()) return std::vector<int64_t>{};
+    auto all = [&](auto pred) {
+      for (auto& i : items)
+        if (!pred(i.value)) return false;
+      return true;
+    };
+    auto is_num = [](const AttributeValue& v) { return v.index() == 0 || v.index() == 2; };
+    if (all([](auto& v) { return std::holds_alternative<int64_t>(v); })) {
+      std::vector<int64_t> out;
+      for (auto& i : items) out.push_back(std::get<int64_t>(i.value));
+      return out;
+    }
+    if (all(is_num)) {
+      std::vector<double> out;
+      for (auto& i : items) out.push_back(*attribute_as<double>(i.value));
+      return out;
+    }
+    if (all([](auto& v) { return std::holds_alternative<std::string>(v); })) {
+      std::vector<std::string> out;
+      for (auto& i : items) out.push_back(std::get<std::string>(i.value));
+      return out;
+    }
+    if (all([](auto& v) { return std::holds_alternative<at::Tensor>(v); })) {
+      std::vector<at::Tensor> out;
+      for (auto& i : items) out.push_back(std::get<at::Tensor>(i.value));
+      return out;
+    }
+    for (size_t k = 1; k < items.size(); ++k)
+      if (items[k].value.index() != items[0].value.index() &&
+          !(is_num(items[k].value) && is_num(items[0].value)))
+        fail(at[k], "list elements must all be numbers, strings or tensors");
+    fail(open, "list elements must all be numbers, strings or tensors");
+  }
+
+  // `Float(2, 2){1.0, 2.0, 3.0, 4.0}` after the dtype name.
+  at::Tensor parse_tensor(const Token& name, at::ScalarType dtype) {
+    auto [sizes, marks, device] = parse_dims();
+    for (size_t d = 0; d < marks.size(); ++d)
+      if (marks[d]) fail(name, "a tensor literal's sizes cannot carry '!'");
+    Token open = expect_punct('{', "to open the tensor values");
+    at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(dtype));
+    int64_t n = t.numel(), i = 0;
+    if (!accept('}')) {
+      for (;;) {
+        Token v = lex_.next();
+        if (i >= n) fail(v, "tensor literal has more than " + std::to_string(n) + " values");
+        if ((v.kind != TokenKind::Number && v.kind != TokenKind::Ident) || !set_element(t, i, v.text))
+          fail(v, "expected a " + std::string(c10::toString(dtype)) + " value, found " + v.describe());
+        ++i;
+        Token sep = lex_.next();
+        if (sep.is('}')) break;
+        if (!sep.is(',')) fail(sep, "expected ',' or '}' in tensor values, found " + sep.describe());
+      }
+    }
+    if (i != n)
+      fail(open, "tensor literal of " + std::to_string(n) + " elements has " + std::to_string(i) + " values");
+    return device == at::Device(at::kCPU) ? t : t.to(device);
+  }
+
+  template <class K>
+  K attribute_kind_from(const Token& op, AttributeList attrs, const std::vector<Token>& attr_tokens) {
+    K k{};
+    std::vector<bool> used(attrs.size(), false);
+    boost::hana::for_each(boost::hana::accessors<K>(), [&](auto acc) {
+      std::string member = boost::hana::to<const char*>(boost::hana::first(acc));
+      using M = std::decay_t<decltype(boost::hana::second(acc)(k))>;
+      for (size_t i = 0; i < attrs.size(); ++i) {
+        if (attrs[i].first != member) continue;
+        auto v = attribute_as<M>(attrs[i].second);
+        if (!v)
+          fail(attr_tokens[i], "attribute '" + member + "' of " + op.text + " must be of kind " +
+                                   std::string(attribute_kind(AttributeValue(M{}))) + ", found " +
+                                   std::string(attribute_kind(attrs[i].second)));
+        boost::hana::second(acc)(k) = std::move(*v);
+        used[i] = true;
+        return;
+      }
+      fail(op, op.text + " needs attribute '" + member + "'");
+    });
+    for (size_t i = 0; i < attrs.size(); ++i)
+      if (!used[i]) fail(attr_tokens[i], op.text + " has no attribute '" + attrs[i].first + "'");
+    return k;
+  }
+
+  std::vector<Value*> parse_input_list(Scope& scope) {
+    expect_punct('(', "to open the inputs");
+    std::vector<Value*> inputs;
+    if (accept(')')) return inputs;
+    for (;;) {
+      Token t = lex_.next();
+      if (t.kind != TokenKind::ValueRef) fail(t, "expected an input value (%name), found " + t.describe());
+      auto it = scope.values.find(t.text);
+      if (it == scope.values.end()) fail(t, "undefined value %" + t.text);
+      inputs.push_back(it->second);
+      Token sep = lex_.next();
+      if (sep.is(')')) return inputs;
+      if (!sep.is(',')) fail(sep, "expected ',' or ')' after an input, found " + sep.describe());
+    }
+  }
+
+  static bool is_eval_name(std::string_view n) {
+    return n == "Eval" || n == "N5torch8autograd4EvalE" || n == "torch_autograd_Eval";
+  }
+
+  // The op and inputs of one statement; returns the node (unlisted).
+  Node* parse_op(Graph& g, Scope& scope) {
+    Token t = lex_.next();
+    if (t.is('^')) {
+      Token name = expect_ident("a host op name after '^'");
+      std::optional<std::string> conv;
+      Token conv_tok;
+      if (accept('[')) {
+        conv = "";
+        if (!lex_.peek().is(']')) {
+          conv_tok = expect_ident("a calling convention (letters t and s)");
+          conv = conv_tok.text;
+        }
+        expect_punct(']', "after the calling convention");
+        for (char c : *conv)
+          if (c != 't' && c != 's') fail(conv_tok, "calling convention '" + *conv + "' may only contain 't' and 's'");
+      }
+      expect_punct('(', "to open the scalar arguments");
+      std::vector<Scalar> scalars;
+      if (!accept(')')) {
+        for (;;) {
+          Token at = lex_.peek();
+          Literal lit = parse_literal();
+          scalars.push_back(to_scalar(lit, at));
+          Token sep = lex_.next();
+          if (sep.is(')')) break;
+          if (!sep.is(',')) fail(sep, "expected ',' or ')' after a scalar argument, found " + sep.describe());
+        }
+      }
+      auto inputs = parse_input_list(scope);
+      if (!conv) conv = std::string(inputs.size(), 't') + std::string(scalars.size(), 's');
+      return g.create(HostOp{name.text, *conv, std::move(scalars), nullptr}, inputs, {});
+    }
+    if (t.kind != TokenKind::Ident) fail(t, "expected an op name, found " + t.describe());
+    if (t.text == "CppOp") {
+      expect_punct('[', "after CppOp");
+      Token name = expect_ident("the CppOp's name");
+      expect_punct(']', "after the CppOp's name");
+      auto inputs = parse_input_list(scope);
+      if (is_eval_name(name.text)) return g.create(Eval{}, inputs, {});
+      return g.create(HostOp{name.text, std::string(inputs.size(), 't'), {}, nullptr}, inputs, {});
+    }
+    constexpr std::string_view fg = "fusion_group_";
+    if (t.text.size() > fg.size() && t.text.compare(0, fg.size(), fg) == 0 &&
+        t.text.find_first_not_of("0123456789", fg.size()) == std::string::npos) {
+      if (scope.fusion_refs.count(t.text)) fail(t, t.text + " is used by more than one node");
+      auto inputs = parse_input_list(scope);
+      Node* n = g.create(FusionGroup{nullptr}, inputs, {});
+      scope.fusion_refs[t.text] = n;
+      return n;
+    }
+    std::vector<Token> attr_tokens;
+    auto parse_attrs_tracked = [&] {
+      AttributeList attrs;
+      if (!accept('[')) return attrs;
+      if (accept(']')) return attrs;
+      for (;;) {
+        Token name = expect_ident("an attribute name");
+        for (auto& [k, v] : attrs)
+          if (k == name.text) fail(name, "attribute '" + name.text + "' is given twice");
+        expect_punct('=', "after the attribute name");
+        attr_tokens.push_back(name);
+        attrs.emplace_back(name.text, parse_literal().value);
+        Token sep = lex_.next();
+        if (sep.is(']')) return attrs;
+        if (!sep.is(',')) fail(sep, "expected ',' or ']' after an attribute, found " + sep.describe());
+      }
+    };
+    std::optional<NodeKind> kind;
+    boost::hana::for_each(kind_names, [&](auto pair) {
+      using K = typename decltype(+boost::hana::first(pair))::type;
+      if constexpr (!std::is_same_v<K, Op> && !std::is_same_v<K, HostOp> && !std::is_same_v<K, FusionGroup>) {
+        if (kind || boost::hana::second(pair) != t.text) return;
+        if constexpr (std::is_same_v<K, Param> || std::is_same_v<K, Return>) {
+          fail(t, t.text + " nodes cannot appear in a graph body (declare inputs in graph(...), outputs in return)");
+        } else if constexpr (is_attribute_kind<K>) {
+          auto attrs = parse_attrs_tracked();
+          kind = attribute_kind_from<K>(t, std::move(attrs), attr_tokens);
+        } else {
+          if (lex_.peek().is('[')) fail(lex_.peek(), t.text + " takes no attributes");
+          kind = K{};
+        }
+      }
+    });
+    if (!kind) kind = Op{t.text, parse_attrs_tracked()};
+    auto inputs = parse_input_list(scope);
+    return g.create(std::move(*kind), inputs, {});
+  }
+
+  Scalar to_scalar(const Literal& lit, const Token& at) {
+    if (lit.is_bool) return std::get<int64_t>(lit.value) != 0;
+    return std::visit(
+        [&](const auto& v) -> Scalar {
+          using T = std::decay_t<decltype(v)>;
+          if constexpr (std::is_constructible_v<Scalar, T> &&
+                        !std::is_same_v<T, at::Tensor> && !std::is_same_v<T, std::vector<std::string>>) {
+            return v;
+          } else {
+            fail(at, "a host op scalar must be a number, bool, string or number list");
+          }
+        },
+        lit.value);
+  }
+
+  void define(Scope& scope, const Token& t, Value* v) {
+    if (scope.values.count(t.text)) fail(t, "value %" + t.text + " is already defined");
+    scope.values[t.text] = v;
+    if (std::isdigit(static_cast<unsigned char>(t.text[0]))) return;
+    if (!valid_value_name(t.text)) fail(t, "invalid value name %" + t.text + "; expected %[A-Za-z_][A-Za-z0-9_.]* or a number");
+    v->set_name(t.text);
+  }
+
+  // `, uses = [...]` (seed era), after the node's inputs.
+  void parse_uses(Scope& scope, Node* n, const Token& at) {
+    Token kw = expect_keyword("uses");
+    expect_punct('=', "after 'uses'");
+    Token open = expect_punct('[', "to open the use list");
+    PendingUses p{n, kw, false, {}};
+    auto entries = [&](char close) {
+      std::vector<UseRef> out;
+      if (accept(close)) return out;
+      for (;;) {
+        Token u = lex_.next();
+        size_t dot = u.text.rfind(".i");
+        int64_t off = -1;
+        if (u.kind != TokenKind::ValueRef || dot == std::string::npos || dot == 0 ||
+            !parse_number(std::string_view(u.text).substr(dot + 2), off) || off < 0)
+          fail(u, "expected a use such as %5.i0, found " + u.describe());
+        out.push_back({u, u.text.substr(0, dot), size_t(off)});
+        Token sep = lex_.next();
+        if (sep.is(close)) return out;
+        if (!sep.is(',')) fail(sep, "expected ',' or '" + std::string(1, close) + "' in a use list, found " + sep.describe());
+      }
+    };
+    if (lex_.peek().is('[')) {
+      p.nested = true;
+      for (;;) {
+        expect_punct('[', "to open an output's use list");
+        p.per_output.push_back(entries(']'));
+        Token sep = lex_.next();
+        if (sep.is(']')) break;
+        if (!sep.is(',')) fail(sep, "expected ',' or ']' between use lists, found " + sep.describe());
+      }
+    } else {
+      p.per_output.push_back(entries(']'));
+    }
+    (void)open;
+    (void)at;
+    scope.uses.push_back(std::move(p));
+  }
+
+  void check_uses(Graph& g, Scope& scope) {
+    for (auto& p : scope.uses) {
+      const auto& outs = p.node->outputs();
+      if (!p.nested && outs.size() != 1)
+        fail(p.at, "a node with " + std::to_string(outs.size()) + " outputs needs one use list per output ([[...], ...])");
+      if (p.per_output.size() != outs.size())
+        fail(p.at, "uses lists " + std::to_string(p.per_output.size()) + " outputs but the node has " +
+                       std::to_string(outs.size()));
+      for (size_t o = 0; o < outs.size(); ++o) {
+        Value* v = outs[o];
+        const auto& listed = p.per_output[o];
+        if (listed.size() != v->uses().size())
+          fail(p.at, "uses of output " + std::to_string(o) + " list " + std::to_string(listed.size()) +
+                         " uses but it has " + std::to_string(v->uses().size()));
+        std::vector<bool> matched(v->uses().size(), false);
+        for (const UseRef& r : listed) {
+          auto it = scope.values.find(r.user);
+          Node* user = nullptr;
+          bool hidden = false;
+          if (it != scope.values.end()) {
+            if (it->second->node()->outputs().size() != 1)
+              fail(r.token, "use %" + r.token.text + " names an output of a multi-output node, not a user node");
+            user = it->second->node();
+          } else if (r.user == "0") {
+            user = g.return_node();
+          } else {
+            hidden = true;
+          }
+          bool ok = false;
+          for (size_t k = 0; k < v->uses().size() && !ok; ++k) {
+            const Use& u = v->uses()[k];
+            if (matched[k] || u.offset != r.offset) continue;
+            if (hidden ? (u.user->outputs().size() != 1 && !u.user->is<Return>()) : u.user == user)
+              ok = matched[k] = true;
+          }
+          if (!ok) fail(r.token, "use %" + r.token.text + " does not match any use of this value");
+        }
+      }
+    }
+  }
+
+  std::shared_ptr<Graph> parse_graph(size_t depth) {
+    Token kw = lex_.next();
+    if (!kw.is_ident("graph")) fail(kw, "expected 'graph', found " + kw.describe());
+    if (depth > max_depth) fail(kw, "fusion groups nested deeper than " + std::to_string(max_depth));
+    auto g = std::make_shared<Graph>();
+    Scope scope;
+    expect_punct('(', "after 'graph'");
+    size_t stage = 0;
+    if (!accept(')')) {
+      for (;;) {
+        if (lex_.peek().kind == TokenKind::Dashes) {
+          stage = parse_separator(stage);
+          continue;
+        }
+        Token name = lex_.next();
+        if (name.is(')')) break;
+        if (name.kind != TokenKind::ValueRef) fail(name, "expected a graph input (%name : Type), found " + name.describe());
+        expect_punct(':', "after the input name");
+        Type type = parse_type();
+        define(scope, name, g->add_input(type, stage));
+        const Token& sep = lex_.peek();
+        if (sep.is(')')) {
+          lex_.next();
+          break;
+        }
+        if (sep.is(',')) {
+          lex_.next();
+          continue;
+        }
+        if (sep.kind == TokenKind::ValueRef || sep.kind == TokenKind::Dashes) continue;  // seed: no commas
+        fail(sep, "expected ',' or ')' after a graph input, found " + sep.describe());
+      }
+    }
+    expect_punct('{', "to open the graph body");
+    size_t body_stage = 0;
+    for (;;) {
+      const Token& t = lex_.peek();
+      if (t.kind == TokenKind::Dashes) {
+        body_stage = parse_separator(body_stage);
+        g->set_current_stage(body_stage);
+        continue;
+      }
+      if (t.is_ident("return")) break;
+      if (t.kind == TokenKind::End) fail(t, "expected a node or 'return', found end of input");
+      Token start = t;
+      std::vector<std::pair<Token, Type>> outs;
+      if (t.kind == TokenKind::ValueRef) {
+        for (;;) {
+          Token name = lex_.next();
+          if (name.kind != TokenKind::ValueRef) fail(name, "expected an output (%name : Type), found " + name.describe());
+          expect_punct(':', "after the output name");
+          outs.emplace_back(name, parse_type());
+          Token sep = lex_.next();
+          if (sep.is('=')) break;
+          if (!sep.is(',')) fail(sep, "expected ',' or '=' after an output, found " + sep.describe());
+        }
+      }
+      Node* n = parse_op(*g, scope);
+      n->set_location({start.line, start.column});
+      g->append(n);
+      for (auto& [name, type] : outs) define(scope, name, n->add_output(type));
+      if (accept(',')) parse_uses(scope, n, start);
+      expect_punct(';', "at the end of the node");
+    }
+    Token ret = lex_.next();
+    g->return_node()->set_location({ret.line, ret.column});
+    expect_punct('(', "after 'return'");
+    std::vector<std::vector<std::pair<Token, Value*>>> groups(1);
+    if (!accept(')')) {
+      for (;;) {
+        if (lex_.peek().is('|')) {
+          lex_.next();
+          groups.emplace_back();
+          if (groups.size() > 4096) fail(ret, "too many stage groups in return");
+          if (accept(')')) break;
+          continue;
+        }
+        Token v = lex_.next();
+        if (v.kind != TokenKind::ValueRef) fail(v, "expected an output value (%name) or '|', found " + v.describe());
+        auto it = scope.values.find(v.text);
+        if (it == scope.values.end()) fail(v, "undefined value %" + v.text);
+        groups.back().emplace_back(v, it->second);
+        if (groups.size() > 4096) fail(v, "too many stage groups in return");
+        Token sep = lex_.next();
+        if (sep.is(')')) break;
+        if (sep.is('|')) {
+          groups.emplace_back();
+          if (groups.size() > 4096) fail(ret, "too many stage groups in return");
+          if (accept(')')) break;
+          continue;
+        }
+        if (!sep.is(',')) fail(sep, "expected ',', '|' or ')' after an output, found " + sep.describe());
+      }
+    }
+    if (groups.size() > 1) {
+      if (groups.size() < g->num_stages())
+        fail(ret, "return lists " + std::to_string(groups.size()) + " stage groups but the graph has " +
+                      std::to_string(g->num_stages()) + " stages");
+      for (size_t s = 0; s < groups.size(); ++s) {
+        g->ensure_stage(s);
+        for (auto& [tok, v] : groups[s]) g->register_output(v, s);
+      }
+    } else {
+      size_t last = 0;
+      for (auto& [tok, v] : groups[0]) {
+        if (v->stage() < last)
+          fail(tok, "output %" + tok.text + " of stage " + std::to_string(v->stage()) +
+                        " comes after an output of stage " + std::to_string(last) +
+                        " (without '|', outputs are grouped by stage in order)");
+        last = v->stage();
+        g->register_output(v, v->stage());
+      }
+    }
+    expect_punct(';', "after the return statement");
+    expect_punct('}', "to close the graph body");
+    check_uses(*g, scope);
+    while (!scope.fusion_refs.empty()) {
+      Token w = lex_.next();
+      if (!w.is_ident("with"))
+        fail(w, "expected 'with " + scope.fusion_refs.begin()->first + " = graph(...)', found " + w.describe());
+      Token name = expect_ident("a fusion group name");
+      auto it = scope.fusion_refs.find(name.text);
+      if (it == scope.fusion_refs.end()) fail(name, "no node uses " + name.text);
+      expect_punct('=', "after the fusion group name");
+      it->second->get<FusionGroup>().subgraph = parse_graph(depth + 1);
+      scope.fusion_refs.erase(it);
+    }
+    return g;
+  }
+
+  Lexer lex_;
+};
+
+}  // namespace detail
+
+/// Parses IR text (canonical or seed-era, see the file comment) into a new graph.
+/// Does not lint: call `ir::lint` for the invariants text cannot break by itself.
+/// Throws ParseError with the 1-based line:column of the first problem.
+inline std::shared_ptr<Graph> parse(std::string_view text) {
+  detail::Parser p(text);
+  try {
+    return p.parse_file();
+  } catch (const IrError& e) {
+    // A graph-building call rejected something the grammar allowed.
+    throw ParseError(1, 1, std::string("invalid graph: ") + e.what());
+  }
+}
+
+}  // namespace stagejit::ir

@@ -1,0 +1,140 @@
+#pragma once
+/// \file
+/// `ir::to_string`: the canonical text form of a graph (SPEC 1.8, Value era).
+///
+/// ```text
+/// graph(%x : Float(3, 4),
+///       %w : Float(4, 5),
+///       -------- stage 1 --------
+///       %gy : Float(3, 5)) {
+///   %0 : Float(3, 5) = mm(%x, %w);
+///   %1 : Float(3, 5), %2 : Handle = ^Scale[ts](2.0)(%0);
+///   ---------------- stage 1 ----------------
+///   %3 : Float(3, 5) = Eval(%gy, %2);
+///   return (%1 | %3);
+/// }
+/// ```
+/// - Inputs: `%name : Type`, separated by `,` and a newline; `-------- stage K --------`
+///   before the first input of each stage after 0.
+/// - Nodes: `outputs = op(inputs);` with `---------------- stage K ----------------` when
+///   the stage changes (from 0). Ops: `name[attr=value, ...]` for Op; `^name[conv](scalars)`
+///   for HostOp; `Eval`; `Undefined`; `Constant[value=<tensor literal>]`;
+///   `Transpose[perm=...]`, `Reshape[shape=...]`, `Gemm[alpha=..., beta=...]`;
+///   `fusion_group_N` (N counts fusion groups in print order).
+/// - `return (...)` lists the outputs with `|` between stage groups (one group per stage).
+/// - After `}`, each fusion group's subgraph as `with fusion_group_N = graph(...) {...}`.
+/// - Value names: see detail/names.hpp. Literals: see attributes.hpp and detail/literals.hpp.
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <stagejit/ir/attributes.hpp>
+#include <stagejit/ir/detail/names.hpp>
+#include <stagejit/ir/graph.hpp>
+#include <stagejit/ir/kinds.hpp>
+
+namespace stagejit::ir {
+
+std::string to_string(const Graph& graph);
+
+namespace detail {
+
+inline std::string kind_text(const Node& n, size_t& fusion_index,
+                             std::vector<const Graph*>& subgraphs) {
+  return std::visit(
+      [&](const auto& k) -> std::string {
+        using K = std::decay_t<decltype(k)>;
+        if constexpr (std::is_same_v<K, Op>) {
+          std::string out = k.name;
+          if (!k.attributes.empty()) {
+            out += '[';
+            for (size_t i = 0; i < k.attributes.size(); ++i)
+              out += (i ? ", " : "") + k.attributes[i].first + "=" +
+                     format_attribute(k.attributes[i].second);
+            out += ']';
+          }
+          return out;
+        } else if constexpr (std::is_same_v<K, HostOp>) {
+          std::string out = "^" + k.name + "[" + k.calling_convention + "](";
+          for (size_t i = 0; i < k.scalars.size(); ++i)
+            out += (i ? ", " : "") + format_scalar(k.scalars[i]);
+          return out + ")";
+        } else if constexpr (std::is_same_v<K, FusionGroup>) {
+          subgraphs.push_back(k.subgraph.get());
+          return std::string(kind_name<K>()) + "_" + std::to_string(fusion_index++);
+        } else if constexpr (is_attribute_kind<K>) {
+          std::string out = std::string(kind_name<K>()) + "[";
+          bool first = true;
+          boost::hana::for_each(boost::hana::accessors<K>(), [&](auto acc) {
+            out += (first ? "" : ", ") + std::string(boost::hana::to<const char*>(boost::hana::first(acc))) +
+                   "=" + format_attribute(AttributeValue(boost::hana::second(acc)(k)));
+            first = false;
+          });
+          return out + "]";
+        } else {
+          return std::string(kind_name<K>());
+        }
+      },
+      n.kind());
+}
+
+inline void print_graph(std::string& out, const Graph& g) {
+  NameTable names(g);
+  out += "graph(";
+  size_t stage = 0;
+  const auto& ins = g.inputs();
+  for (size_t i = 0; i < ins.size(); ++i) {
+    if (i) out += ",\n      ";
+    if (ins[i]->stage() != stage) {
+      stage = ins[i]->stage();
+      out += "-------- stage " + std::to_string(stage) + " --------\n      ";
+    }
+    out += names(ins[i]) + " : " + to_string(ins[i]->type());
+  }
+  out += ") {\n";
+  stage = 0;
+  size_t fusion_index = 0;
+  std::vector<const Graph*> subgraphs;
+  for (Node* n : g.nodes()) {
+    if (n->stage() != stage) {
+      stage = n->stage();
+      out += "  ---------------- stage " + std::to_string(stage) + " ----------------\n";
+    }
+    out += "  ";
+    for (size_t i = 0; i < n->outputs().size(); ++i)
+      out += (i ? ", " : "") + names(n->output(i)) + " : " + to_string(n->output(i)->type());
+    if (!n->outputs().empty()) out += " = ";
+    out += kind_text(*n, fusion_index, subgraphs) + "(";
+    for (size_t i = 0; i < n->inputs().size(); ++i) out += (i ? ", " : "") + names(n->input(i));
+    out += ");\n";
+  }
+  out += "  return (";
+  const auto& outs = g.outputs();
+  size_t k = 0;
+  for (size_t s = 0; s < g.num_stages(); ++s) {
+    if (s) out += " | ";
+    for (size_t j = 0; j < g.stage_output_counts()[s]; ++j, ++k)
+      out += (j ? ", " : "") + names(outs[k]);
+  }
+  out += ");\n}\n";
+  for (size_t i = 0; i < subgraphs.size(); ++i) {
+    out += "with fusion_group_" + std::to_string(i) + " = ";
+    if (subgraphs[i]) print_graph(out, *subgraphs[i]);
+    else out += "<missing subgraph>\n";
+  }
+}
+
+}  // namespace detail
+
+/// The canonical text of `graph` (see the file comment). Stable: equal graphs print
+/// equally, and `to_string(*parse(to_string(g))) == to_string(g)`.
+inline std::string to_string(const Graph& graph) {
+  std::string out;
+  detail::print_graph(out, graph);
+  return out;
+}
+
+inline std::ostream& operator<<(std::ostream& os, const Graph& graph) { return os << to_string(graph); }
+
+}  // namespace stagejit::ir

@@ -1,0 +1,178 @@
+#pragma once
+/// \file
+/// The types of IR values: `TensorType` (dtype, sizes, strides, device), `HandleType`
+/// (an opaque backward closure crossing stages) and `UnknownType` (not yet inferred).
+///
+/// Text form (SPEC 1.3): `Float(3, 4)`, `Double(4!, 2)`, `Handle`, `UNKNOWN_TYPE`.
+/// A `!` follows a size whose stride differs from the contiguous one, i.e. from
+/// `size[d+1] * stride[d+1]` (1 for the last dimension). A device other than the CPU is
+/// printed as a last item: `Float(3, 4, device=cuda:0)`.
+///
+/// Note [Stride reconstruction]: text keeps only *whether* a stride is contiguous, not
+/// its value. `parse_strides` rebuilds strides from the last dimension to the first:
+/// an unmarked dimension gets its contiguous stride `e` (`size[d+1]*stride[d+1]`, 1 for
+/// the last); a `!` dimension gets `2*e` (or 1 when `e` is 0). The rebuilt strides print
+/// back to the same marks, so text round-trips; the exact stride values do not.
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include <stagejit/core/error.hpp>
+
+namespace stagejit::ir {
+
+/// A dense tensor value: element type, sizes, strides (in elements) and device.
+struct TensorType {
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  at::Device device = at::kCPU;
+
+  /// The type of a real tensor (sizes and strides as they are).
+  static TensorType of(const at::Tensor& t) {
+    return TensorType{t.scalar_type(), t.sizes().vec(), t.strides().vec(), t.device()};
+  }
+  /// A contiguous tensor type of the given sizes.
+  static TensorType contiguous(at::ScalarType dtype, std::vector<int64_t> sizes,
+                               at::Device device = at::kCPU);
+  /// True when every stride equals its contiguous value.
+  bool is_contiguous() const;
+  friend bool operator==(const TensorType& a, const TensorType& b) {
+    return a.dtype == b.dtype && a.sizes == b.sizes && a.strides == b.strides &&
+           a.device == b.device;
+  }
+};
+
+/// The type of a Handle value: an opaque backward closure made at one stage and run by
+/// an `Eval` node at a later one.
+struct HandleType {
+  friend bool operator==(const HandleType&, const HandleType&) { return true; }
+};
+
+/// A value whose type is not known (printed `UNKNOWN_TYPE`).
+struct UnknownType {
+  friend bool operator==(const UnknownType&, const UnknownType&) { return true; }
+};
+
+/// The type of an IR value.
+using Type = std::variant<UnknownType, TensorType, HandleType>;
+
+/// Contiguous strides (row-major, in elements) for `sizes`.
+inline std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t expected = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    strides[d] = expected;
+    expected *= sizes[d];
+  }
+  return strides;
+}
+
+inline TensorType TensorType::contiguous(at::ScalarType dtype, std::vector<int64_t> sizes,
+                                         at::Device device) {
+  auto strides = contiguous_strides(sizes);
+  return TensorType{dtype, std::move(sizes), std::move(strides), device};
+}
+
+/// For each dimension, whether its stride differs from the contiguous expectation
+/// (the `!` marks of the text form). `strides` must have the length of `sizes`.
+inline std::vector<bool> noncontiguous_marks(const std::vector<int64_t>& sizes,
+                                             const std::vector<int64_t>& strides) {
+  STAGEJIT_CHECK_AS(IrError, sizes.size() == strides.size(), "tensor type has ", sizes.size(),
+                    " sizes but ", strides.size(), " strides");
+  std::vector<bool> marks(sizes.size(), false);
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    int64_t expected = d + 1 == sizes.size() ? 1 : sizes[d + 1] * strides[d + 1];
+    marks[d] = strides[d] != expected;
+  }
+  return marks;
+}
+
+inline bool TensorType::is_contiguous() const {
+  for (bool m : noncontiguous_marks(sizes, strides))
+    if (m) return false;
+  return true;
+}
+
+/// Rebuilds strides from `!` marks (Note [Stride reconstruction]).
+inline std::vector<int64_t> parse_strides(const std::vector<int64_t>& sizes,
+                                          const std::vector<bool>& marks) {
+  std::vector<int64_t> strides(sizes.size());
+  for (size_t d = sizes.size(); d-- > 0;) {
+    int64_t expected = d + 1 == sizes.size() ? 1 : sizes[d + 1] * strides[d + 1];
+    strides[d] = marks[d] ? (expected == 0 ? 1 : 2 * expected) : expected;
+  }
+  return strides;
+}
+
+/// Every dtype the text form names, in ATen's spelling (`Float`, `Long`, ...).
+inline const std::vector<at::ScalarType>& printable_dtypes() {
+  static const std::vector<at::ScalarType> all = {
+      at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong, at::kInt,
+      at::kShort, at::kChar,   at::kByte, at::kBool,     at::kComplexFloat,
+      at::kComplexDouble};
+  return all;
+}
+
+/// The dtype named `name` (`"Float"` -> `at::kFloat`), or nullopt.
+inline std::optional<at::ScalarType> dtype_from_name(std::string_view name) {
+  for (auto t : printable_dtypes())
+    if (name == c10::toString(t)) return t;
+  return std::nullopt;
+}
+
+/// The text form of a type (`Float(3, 4!)`, `Handle`, `UNKNOWN_TYPE`).
+inline std::string to_string(const Type& type) {
+  if (std::holds_alternative<HandleType>(type)) return "Handle";
+  if (std::holds_alternative<UnknownType>(type)) return "UNKNOWN_TYPE";
+  const auto& t = std::get<TensorType>(type);
+  std::string out = c10::toString(t.dtype);
+  out += '(';
+  auto marks = noncontiguous_marks(t.sizes, t.strides);
+  for (size_t d = 0; d < t.sizes.size(); ++d) {
+    if (d) out += ", ";
+    out += std::to_string(t.sizes[d]);
+    if (marks[d]) out += '!';
+  }
+  if (t.device != at::Device(at::kCPU)) {
+    if (!t.sizes.empty()) out += ", ";
+    out += "device=" + t.device.str();
+  }
+  out += ')';
+  return out;
+}
+
+}  // namespace stagejit::ir
+
+#ifdef STAGEJIT_TESTING
+#include <stagejit/testing/doctest.hpp>
+TEST_SUITE("ir") {
+  TEST_CASE("TensorType prints ! exactly where a stride is not the contiguous one") {
+    using namespace stagejit::ir;
+    CHECK(to_string(Type{TensorType::contiguous(at::kFloat, {3, 20})}) == "Float(3, 20)");
+    auto t = at::zeros({4, 4}, at::kDouble).narrow(1, 0, 2);  // strides (4, 1)
+    CHECK(to_string(Type{TensorType::of(t)}) == "Double(4!, 2)");
+    CHECK(to_string(Type{TensorType::of(at::zeros({2, 2}, at::kDouble).t())}) ==
+          "Double(2!, 2!)");
+    CHECK(to_string(Type{TensorType::of(at::zeros({}, at::kLong))}) == "Long()");
+    CHECK(to_string(Type{HandleType{}}) == "Handle");
+    CHECK(to_string(Type{UnknownType{}}) == "UNKNOWN_TYPE");
+  }
+  TEST_CASE("stride reconstruction reproduces the marks") {
+    using namespace stagejit::ir;
+    std::vector<int64_t> sizes = {4, 0, 3, 2};
+    for (int bits = 0; bits < 16; ++bits) {
+      std::vector<bool> marks = {bool(bits & 1), bool(bits & 2), bool(bits & 4), bool(bits & 8)};
+      CHECK(noncontiguous_marks(sizes, parse_strides(sizes, marks)) == marks);
+    }
+  }
+}
+#endif

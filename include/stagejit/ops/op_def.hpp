@@ -1,0 +1,85 @@
+#pragma once
+/// \file
+/// The differentiable op table: one `OpDef` per op (ATen's name), holding the forward
+/// (calls ATen on tensors and attributes), the backward formula (written with stagejit
+/// ops, so it is differentiable again and traced when a trace hook is current), the
+/// elementwise flag and the fusion code template. The IR interpreter and the closure
+/// compiler run IR `Op{name, attrs}` nodes through `find` + `run_forward` / `apply`.
+/// Attribute names follow ATen (`alpha`, `other`, `dim`, `keepdim`, `exponent`, ...);
+/// each entry documents its attributes in `attributes`.
+
+#include <stagejit/autograd/variable.hpp>
+#include <stagejit/core/scalar.hpp>
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+namespace stagejit {
+
+/// Shape, dtype and options of one op input, kept by its backward (sum_to_size, casts).
+struct InputMeta {
+  at::DimVector sizes;
+  at::TensorOptions options;
+};
+
+/// What a backward formula gets. `inputs`/`outputs` hold the saved Variables (undefined
+/// where the op does not save them), `grads` one gradient per output (undefined = zero).
+struct BackwardArgs {
+  const Attributes& attrs;
+  const variable_list& inputs;
+  const variable_list& outputs;
+  const variable_list& grads;
+  const std::vector<InputMeta>& input_meta;
+  uint64_t needs_mask;  ///< bit i: input i needs a gradient
+  bool needs(std::size_t i) const noexcept { return i < 64 && ((needs_mask >> i) & 1U); }
+};
+
+/// One op of the table.
+struct OpDef {
+  std::string_view name;            ///< ATen's name, e.g. "mul"
+  int min_inputs = 1;               ///< tensor inputs accepted: [min_inputs, max_inputs]
+  int max_inputs = 1;               ///< -1: any number (cat)
+  bool elementwise = false;         ///< pointwise with broadcasting (fusable)
+  bool differentiable = true;       ///< false: outputs never require grad (comparisons, ...)
+  uint64_t saved_inputs = 0;        ///< bit i: the backward needs input i
+  bool saves_outputs = false;       ///< the backward needs the outputs
+  /// Attribute names in ATen's argument order, with a short note (optional ones say so).
+  std::string_view attributes;
+  /// Fusion code template for elementwise ops: `$0`, `$1`.. are the inputs; in scalar
+  /// forms (one input plus attribute `other`) `$1` stands for the attribute. Finalised by
+  /// the fuser; empty for non-elementwise ops.
+  std::string_view fusion_template;
+  /// Forward on ATen tensors. Throws ShapeError (via `run_forward`) on bad shapes.
+  std::vector<at::Tensor> (*forward)(const std::vector<at::Tensor>& inputs,
+                                     const Attributes& attrs) = nullptr;
+  /// Backward formula in stagejit ops: one gradient per input (undefined = zero / none).
+  variable_list (*backward)(const BackwardArgs& args) = nullptr;
+  /// Name of its backward function, e.g. "MulBackward".
+  std::string_view backward_name;
+};
+
+namespace ops {
+
+/// The op named `name`, or null.
+const OpDef* find(std::string_view name) noexcept;
+/// The op named `name`; throws `Error` ("unknown op 'x'") when absent.
+const OpDef& get(std::string_view name);
+/// Every op of the table, in a fixed order.
+const std::vector<const OpDef*>& all();
+
+/// Runs the forward of `op` on tensors (no autograd, no trace hook). Throws `ShapeError`
+/// naming the op for ATen errors and `Error` for a wrong number of inputs or a missing
+/// or mistyped attribute.
+std::vector<at::Tensor> run_forward(const OpDef& op, const std::vector<at::Tensor>& inputs,
+                                    const Attributes& attrs);
+
+/// Runs `op` on Variables: forward, then (in grad mode, when an input requires grad and
+/// the op is differentiable) an `OpBackward` grad_fn for the outputs, then reports the op
+/// to the current trace hook. Same errors as `run_forward`.
+variable_list apply(const OpDef& op, const variable_list& inputs, const Attributes& attrs = {});
+
+}  // namespace ops
+}  // namespace stagejit

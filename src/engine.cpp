@@ -1,0 +1,442 @@
+// The threaded autograd engine (see include/stagejit/autograd/engine.hpp).
+//
+// Note [Engine scheduling]
+// A graph task owns one node record per reachable Function (dependency count, input
+// buffer). When a function finishes, the thread that ran it delivers its outputs, keeps
+// the first successor that became ready and runs it next (a chain never changes thread),
+// and puts the other ready successors on the task's queue, announcing each with a token on
+// the pool's queue. The caller of `execute` works on its own task's queue until the task's
+// outstanding count reaches zero, so nested `execute` calls always make progress.
+//
+// Note [Deterministic fan-in]
+// Each contribution to an input slot carries a key (producer's discovery index in the
+// dependency DFS from the roots, output number). Once all contributions arrived they are
+// added in key order, so sums are bit-identical whatever the thread count or timing.
+#include <stagejit/autograd/callbacks.hpp>
+#include <stagejit/autograd/engine.hpp>
+#include <stagejit/autograd/function.hpp>
+#include <stagejit/autograd/grad_mode.hpp>
+#include <stagejit/autograd/trace_hook.hpp>
+#include <stagejit/core/error.hpp>
+#include <stagejit/ops/ops.hpp>
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace stagejit {
+namespace {
+
+struct Contribution {
+  uint64_t key;
+  uint32_t slot;
+  Variable value;
+};
+
+struct Node {
+  Function* fn = nullptr;
+  int deps = 0;
+  bool needed = true;
+  bool captured = false;
+  std::vector<Contribution> buffer;
+  variable_list inputs;  // summed buffer, filled when the node becomes ready
+};
+
+struct GraphTask {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::vector<Node> nodes;
+  std::unordered_map<const Function*, uint32_t> index;
+  std::deque<uint32_t> queue;
+  int outstanding = 0;
+  std::exception_ptr error;
+  std::string error_fn;
+  bool create_graph = false;
+  bool keep_graph = true;
+  bool single_threaded = false;
+  TraceHook* hook = nullptr;
+  const ExecuteCallbacks* callbacks = nullptr;
+  // capture edges: node index -> list of (input_nr, result slot)
+  std::unordered_map<uint32_t, std::vector<std::pair<uint32_t, std::size_t>>> capture_of;
+  variable_list captured;
+};
+
+// ------------------------------------------------------------------ worker pool
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* pool = new Pool();  // leaked on purpose: workers may outlive static dtors
+    return *pool;
+  }
+  int num_threads() noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return static_cast<int>(workers_.size()) + 1;
+  }
+  void set_num_threads(int n) {
+    STAGEJIT_CHECK(n >= 1, "engine::set_num_threads: need at least 1 thread, got ", n);
+    std::vector<std::thread> old;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++generation_;
+      old.swap(workers_);
+      cv_.notify_all();
+    }
+    for (auto& t : old) t.join();
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int i = 0; i < n - 1; ++i)
+      workers_.emplace_back([this, g = generation_] { work(g); });
+  }
+  bool has_workers() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return !workers_.empty();
+  }
+  void announce(const std::shared_ptr<GraphTask>& task, std::size_t count) {
+    if (count == 0) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (workers_.empty()) return;
+    for (std::size_t i = 0; i < count; ++i) tokens_.push_back(task);
+    if (count == 1) cv_.notify_one(); else cv_.notify_all();
+  }
+
+ private:
+  Pool() {
+    int n = static_cast<int>(std::thread::hardware_concurrency());
+    if (const char* env = std::getenv("STAGEJIT_NUM_THREADS")) {
+      int v = std::atoi(env);
+      if (v >= 1) n = v;
+    }
+    if (n < 1) n = 1;
+    for (int i = 0; i < n - 1; ++i)
+      workers_.emplace_back([this, g = generation_] { work(g); });
+  }
+  void work(uint64_t generation);
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<GraphTask>> tokens_;
+  std::vector<std::thread> workers_;
+  uint64_t generation_ = 0;
+};
+
+// Delivers `outputs` (from producer with key base `producer`) along `edges`; appends the
+// node indices that became ready to `ready` (in edge order). Caller holds task.mutex.
+void deliver(GraphTask& task, uint64_t producer, const std::vector<Edge>& edges,
+             variable_list& outputs, std::vector<uint32_t>& ready) {
+  for (std::size_t i = 0; i < edges.size(); ++i) {
+    const Edge& e = edges[i];
+    if (!e.is_valid()) continue;
+    auto it = task.index.find(e.function.get());
+    if (it == task.index.end()) continue;
+    Node& node = task.nodes[it->second];
+    if (!node.needed && !node.captured) continue;
+    node.buffer.push_back({(producer << 32) | i, e.input_nr, std::move(outputs[i])});
+    if (--node.deps == 0) ready.push_back(it->second);
+  }
+}
+
+// Sums a ready node's buffer into its inputs (Note [Deterministic fan-in]); stores captures.
+void gather(GraphTask& task, uint32_t idx) {
+  Node& node = task.nodes[idx];
+  std::size_t n = node.fn->num_inputs;
+  for (auto& c : node.buffer) n = std::max<std::size_t>(n, c.slot + 1);
+  node.inputs.assign(n, Variable());
+  if (node.buffer.size() > 1)
+    std::sort(node.buffer.begin(), node.buffer.end(), [](const Contribution& a, const Contribution& b) {
+      return a.slot != b.slot ? a.slot < b.slot : a.key < b.key;
+    });
+  for (auto& c : node.buffer) {
+    if (!c.value.defined()) continue;
+    Variable& acc = node.inputs[c.slot];
+    acc = acc.defined() ? stagejit::add(acc, c.value) : std::move(c.value);
+  }
+  node.buffer.clear();
+  node.buffer.shrink_to_fit();
+  if (node.captured) {
+    auto it = task.capture_of.find(idx);
+    if (it != task.capture_of.end())
+      for (auto& [input_nr, slot] : it->second)
+        if (input_nr < node.inputs.size()) task.captured[slot] = node.inputs[input_nr];
+    if (!node.needed) node.inputs.clear();
+  }
+}
+
+variable_list call_function(GraphTask& task, Function& fn, variable_list inputs) {
+  const std::size_t n = fn.next_functions.size();
+  const ExecuteCallbacks* cbs = task.callbacks;
+  if (cbs && !cbs->pre.empty()) {
+    auto range = cbs->pre.equal_range(&fn);
+    for (auto it = range.first; it != range.second; ++it)
+      if (!run_callback(it->second, fn, inputs, nullptr, cbs->state)) return variable_list(n);
+  }
+  bool has_post = cbs && !cbs->post.empty() && cbs->post.count(&fn) > 0;
+  variable_list outputs;
+  if (has_post) {
+    outputs = fn.apply(inputs);
+    auto range = cbs->post.equal_range(&fn);
+    for (auto it = range.first; it != range.second; ++it)
+      if (!run_callback(it->second, fn, inputs, &outputs, cbs->state)) return variable_list(n);
+  } else {
+    outputs = fn.apply(std::move(inputs));
+  }
+  STAGEJIT_CHECK(outputs.size() == n, "Function '", fn.name(),
+                 "' returned an invalid number of outputs - expected ", n, ", but got ",
+                 outputs.size());
+  if (!task.keep_graph) fn.release_variables();
+  return outputs;
+}
+
+void record_error(GraphTask& task, const Function& fn) {
+  std::lock_guard<std::mutex> lock(task.mutex);
+  if (!task.error) {
+    task.error = std::current_exception();
+    task.error_fn = fn.name();
+  }
+}
+
+// Gathers the nodes in `ready` and returns those that must run.
+std::vector<uint32_t> gather_ready(GraphTask& task, const std::vector<uint32_t>& ready) {
+  std::vector<uint32_t> to_run;
+  for (uint32_t r : ready) {
+    try {
+      gather(task, r);
+    } catch (...) {
+      record_error(task, *task.nodes[r].fn);
+      continue;
+    }
+    if (task.nodes[r].needed) to_run.push_back(r);
+  }
+  return to_run;
+}
+
+// Runs node `start` and then, on this thread, the first successor each step made ready
+// (Note [Engine scheduling]).
+void process(const std::shared_ptr<GraphTask>& task_ptr, uint32_t start) {
+  GraphTask& task = *task_ptr;
+  uint32_t idx = start;
+  std::vector<uint32_t> ready;
+  while (true) {
+    Node& node = task.nodes[idx];
+    bool failed;
+    {
+      std::lock_guard<std::mutex> lock(task.mutex);
+      failed = task.error != nullptr;
+    }
+    variable_list outputs;
+    if (!failed) {
+      try {
+        outputs = call_function(task, *node.fn, std::move(node.inputs));
+      } catch (...) {
+        record_error(task, *node.fn);
+        failed = true;
+      }
+    }
+    node.inputs.clear();
+    ready.clear();
+    if (!failed) {
+      std::lock_guard<std::mutex> lock(task.mutex);
+      if (!task.error) deliver(task, uint64_t{idx} + 1, node.fn->next_functions, outputs, ready);
+    }
+    outputs.clear();
+    std::vector<uint32_t> to_run = gather_ready(task, ready);
+    std::optional<uint32_t> next;
+    std::size_t queued = 0;
+    bool done;
+    {
+      std::lock_guard<std::mutex> lock(task.mutex);
+      if (task.error) to_run.clear();
+      if (!to_run.empty()) {
+        next = to_run[0];
+        for (std::size_t i = 1; i < to_run.size(); ++i) task.queue.push_back(to_run[i]);
+        queued = to_run.size() - 1;
+      }
+      task.outstanding += static_cast<int>(to_run.size()) - 1;
+      done = task.outstanding == 0;
+    }
+    if (queued > 0 || done) task.cv.notify_all();
+    if (queued > 0 && !task.single_threaded) Pool::get().announce(task_ptr, queued);
+    if (!next) return;
+    idx = *next;
+  }
+}
+
+void Pool::work(uint64_t generation) {
+  while (true) {
+    std::shared_ptr<GraphTask> task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [&] { return generation_ != generation || !tokens_.empty(); });
+      if (generation_ != generation) return;
+      task = std::move(tokens_.front());
+      tokens_.pop_front();
+    }
+    uint32_t idx;
+    {
+      std::lock_guard<std::mutex> lock(task->mutex);
+      if (task->queue.empty()) continue;
+      idx = task->queue.front();
+      task->queue.pop_front();
+    }
+    AutoGradMode grad_mode(task->create_graph);
+    TraceHookGuard hook(task->hook);
+    process(task, idx);
+  }
+}
+
+[[noreturn]] void rethrow_with_name(const GraphTask& task) {
+  const std::string prefix = "Function '" + task.error_fn + "': ";
+  try {
+    std::rethrow_exception(task.error);
+  } catch (const ShapeError& e) {
+    throw ShapeError(prefix + e.what());
+  } catch (const TraceError& e) {
+    throw TraceError(prefix + e.what());
+  } catch (const CompileError& e) {
+    throw CompileError(prefix + e.what());
+  } catch (const FusionError& e) {
+    throw FusionError(prefix + e.what());
+  } catch (const IrError& e) {
+    throw IrError(prefix + e.what());
+  } catch (const c10::Error& e) {
+    throw Error(prefix + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    throw Error(prefix + e.what());
+  } catch (...) {
+    throw Error(prefix + "unknown exception");
+  }
+}
+
+}  // namespace
+
+variable_list execute(const std::vector<Edge>& roots, const variable_list& inputs,
+                      const ExecuteOptions& options, const ExecuteCallbacks& callbacks) {
+  STAGEJIT_CHECK(roots.size() == inputs.size(), "execute: got ", roots.size(), " roots but ",
+                 inputs.size(), " inputs");
+  auto task_ptr = std::make_shared<GraphTask>();
+  GraphTask& task = *task_ptr;
+  task.create_graph = options.create_graph;
+  task.keep_graph = options.keep_graph;
+  task.single_threaded = options.single_threaded || !Pool::get().has_workers();
+  task.hook = current_trace_hook();
+  task.callbacks = callbacks.empty() && !callbacks.state ? nullptr : &callbacks;
+
+  // Discovery (preorder indices) and post-order, iteratively.
+  std::vector<uint32_t> post_order;
+  {
+    std::vector<std::pair<uint32_t, std::size_t>> stack;
+    auto discover = [&](Function* f) {
+      auto [it, inserted] = task.index.emplace(f, static_cast<uint32_t>(task.nodes.size()));
+      if (inserted) {
+        task.nodes.emplace_back();
+        task.nodes.back().fn = f;
+        stack.emplace_back(it->second, 0);
+      }
+    };
+    for (const Edge& r : roots) {
+      if (!r.is_valid()) continue;
+      discover(r.function.get());
+      while (!stack.empty()) {
+        auto& [idx, pos] = stack.back();
+        Function* f = task.nodes[idx].fn;
+        if (pos < f->next_functions.size()) {
+          const Edge& e = f->next_functions[pos++];
+          if (e.is_valid()) discover(e.function.get());
+        } else {
+          post_order.push_back(idx);
+          stack.pop_back();
+        }
+      }
+    }
+  }
+  STAGEJIT_CHECK(!task.nodes.empty(),
+                 "execute: there are no graph nodes that require computing gradients");
+
+  if (!options.capture.empty()) {
+    task.captured.resize(options.capture.size());
+    for (std::size_t i = 0; i < options.capture.size(); ++i) {
+      const Edge& e = options.capture[i];
+      if (!e.is_valid()) continue;
+      auto it = task.index.find(e.function.get());
+      if (it == task.index.end()) continue;
+      task.nodes[it->second].captured = true;
+      task.capture_of[it->second].emplace_back(e.input_nr, i);
+    }
+    for (uint32_t idx : post_order) {
+      Node& node = task.nodes[idx];
+      bool needed = false;
+      for (const Edge& e : node.fn->next_functions) {
+        if (!e.is_valid()) continue;
+        const Node& t = task.nodes[task.index.at(e.function.get())];
+        if (t.captured || t.needed) {
+          needed = true;
+          break;
+        }
+      }
+      node.needed = needed;
+    }
+  }
+  for (const Edge& r : roots)
+    if (r.is_valid()) ++task.nodes[task.index.at(r.function.get())].deps;
+  for (Node& node : task.nodes) {
+    if (!node.needed) continue;
+    for (const Edge& e : node.fn->next_functions) {
+      if (!e.is_valid()) continue;
+      Node& t = task.nodes[task.index.at(e.function.get())];
+      if (t.needed || t.captured) ++t.deps;
+    }
+  }
+
+  AutoGradMode grad_mode(options.create_graph);
+  std::vector<uint32_t> ready;
+  {
+    variable_list root_inputs = inputs;
+    deliver(task, 0, roots, root_inputs, ready);
+  }
+  std::vector<uint32_t> to_run = gather_ready(task, ready);
+  if (!to_run.empty() && !task.error) {
+    {
+      std::lock_guard<std::mutex> lock(task.mutex);
+      task.outstanding = static_cast<int>(to_run.size());
+      for (std::size_t i = 1; i < to_run.size(); ++i) task.queue.push_back(to_run[i]);
+    }
+    if (!task.single_threaded) Pool::get().announce(task_ptr, to_run.size() - 1);
+    process(task_ptr, to_run[0]);
+    std::unique_lock<std::mutex> lock(task.mutex);
+    while (task.outstanding != 0) {
+      if (!task.queue.empty()) {
+        uint32_t idx = task.queue.front();
+        task.queue.pop_front();
+        lock.unlock();
+        process(task_ptr, idx);
+        lock.lock();
+        continue;
+      }
+      task.cv.wait(lock);
+    }
+  }
+  // Stale pool tokens may keep the task object alive for a moment: drop its contents now.
+  variable_list captured = std::move(task.captured);
+  {
+    std::lock_guard<std::mutex> lock(task.mutex);
+    task.nodes.clear();
+    task.index.clear();
+  }
+  if (task.error) rethrow_with_name(task);
+  return captured;
+}
+
+namespace engine {
+int num_threads() noexcept { return Pool::get().num_threads(); }
+void set_num_threads(int n) { Pool::get().set_num_threads(n); }
+}  // namespace engine
+
+}  // namespace stagejit

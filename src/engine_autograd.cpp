@@ -1,0 +1,700 @@
+// Variable, grad mode, trace hook, saved variables, Function kinds' apply, callbacks,
+// grad()/backward(), host functions and Eval.
+#include <stagejit/autograd/callbacks.hpp>
+#include <stagejit/autograd/engine.hpp>
+#include <stagejit/autograd/eval.hpp>
+#include <stagejit/autograd/function.hpp>
+#include <stagejit/autograd/grad.hpp>
+#include <stagejit/autograd/grad_mode.hpp>
+#include <stagejit/autograd/host_function.hpp>
+#include <stagejit/autograd/trace_hook.hpp>
+#include <stagejit/autograd/variable.hpp>
+#include <stagejit/core/error.hpp>
+#include <stagejit/ops/op_def.hpp>
+#include <stagejit/ops/ops.hpp>
+
+#include <algorithm>
+#include <optional>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace stagejit {
+
+// ------------------------------------------------------------------ grad mode, trace hook
+namespace {
+thread_local bool t_grad_enabled = true;
+thread_local TraceHook* t_trace_hook = nullptr;
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream os;
+  os << s;
+  return os.str();
+}
+}  // namespace
+
+bool GradMode::is_enabled() noexcept { return t_grad_enabled; }
+void GradMode::set_enabled(bool enabled) noexcept { t_grad_enabled = enabled; }
+TraceHook* current_trace_hook() noexcept { return t_trace_hook; }
+void set_current_trace_hook(TraceHook* hook) noexcept { t_trace_hook = hook; }
+
+// ------------------------------------------------------------------ Variable
+namespace {
+const at::Tensor& undefined_tensor() {
+  static const at::Tensor t;
+  return t;
+}
+const std::shared_ptr<Function>& null_function() {
+  static const std::shared_ptr<Function> f;
+  return f;
+}
+at::Tensor strip(at::Tensor data) {
+  if (data.defined() && data.requires_grad()) return data.detach();
+  return data;
+}
+}  // namespace
+
+Variable::Variable(at::Tensor data, bool requires_grad) {
+  if (!data.defined()) {
+    STAGEJIT_CHECK(!requires_grad, "Variable: an undefined tensor cannot require grad");
+    return;
+  }
+  impl_ = std::make_shared<detail::VariableImpl>();
+  impl_->data = strip(std::move(data));
+  if (requires_grad) set_requires_grad(true);
+}
+
+Variable::Variable(at::Tensor data, Edge edge) {
+  if (!data.defined()) return;
+  impl_ = std::make_shared<detail::VariableImpl>();
+  impl_->data = strip(std::move(data));
+  impl_->grad_fn = std::move(edge.function);
+  impl_->output_nr = edge.input_nr;
+}
+
+const at::Tensor& Variable::data() const noexcept {
+  return impl_ ? impl_->data : undefined_tensor();
+}
+
+const std::shared_ptr<Function>& Variable::grad_fn() const noexcept {
+  return impl_ ? impl_->grad_fn : null_function();
+}
+
+void Variable::set_requires_grad(bool requires_grad) {
+  STAGEJIT_CHECK(impl_, "set_requires_grad on an undefined Variable");
+  STAGEJIT_CHECK(is_leaf(), "set_requires_grad: only leaves can be marked (this Variable has "
+                 "grad_fn '", impl_->grad_fn->name(), "')");
+  STAGEJIT_CHECK(!requires_grad || at::isFloatingType(impl_->data.scalar_type()) ||
+                     at::isComplexType(impl_->data.scalar_type()),
+                 "only floating point Variables can require grad (got dtype ",
+                 impl_->data.scalar_type(), ")");
+  impl_->requires_grad = requires_grad;
+}
+
+Edge Variable::gradient_edge() const {
+  if (!impl_) return {};
+  if (impl_->grad_fn) return Edge{impl_->grad_fn, impl_->output_nr};
+  if (!impl_->requires_grad) return {};
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  auto acc = impl_->grad_accumulator.lock();
+  if (!acc) {
+    acc = make_function(AccumulateGrad{impl_}, {}, 1);
+    impl_->grad_accumulator = acc;
+  }
+  return Edge{acc, 0};
+}
+
+void Variable::set_gradient_edge(Edge edge) const {
+  STAGEJIT_CHECK(impl_, "set_gradient_edge on an undefined Variable");
+  impl_->grad_fn = std::move(edge.function);
+  impl_->output_nr = edge.input_nr;
+}
+
+Variable Variable::grad() const {
+  if (!impl_) return {};
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return Variable::from_impl(impl_->grad);
+}
+
+void Variable::set_grad(const Variable& grad) const {
+  STAGEJIT_CHECK(impl_, "set_grad on an undefined Variable");
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->grad = grad.impl();
+}
+
+void Variable::backward(const Variable& grad_output, bool create_graph) const {
+  stagejit::backward({*this}, {grad_output}, create_graph);
+}
+
+// ------------------------------------------------------------------ SavedVariable
+SavedVariable::SavedVariable(const Variable& v, bool is_output) {
+  if (!v.defined()) return;
+  data_ = v.data();
+  is_output_ = is_output;
+  requires_grad_ = v.requires_grad();
+  if (is_output) {
+    output_ = v.impl();
+    output_nr_ = v.output_nr();
+  } else {
+    input_ = v.impl();
+  }
+}
+
+Variable SavedVariable::unpack(const std::shared_ptr<Function>& owner) const {
+  if (!data_.defined()) return {};
+  if (!is_output_) return Variable::from_impl(input_);
+  if (auto alive = output_.lock()) return Variable::from_impl(std::move(alive));
+  if (!requires_grad_ || !owner) return Variable(data_);
+  return Variable(data_, Edge{owner, output_nr_});
+}
+
+void SavedVariable::reset() noexcept {
+  data_.reset();
+  input_.reset();
+  output_.reset();
+}
+
+// ------------------------------------------------------------------ Function kinds
+namespace {
+
+template <class... F>
+struct Overloaded : F... {
+  using F::operator()...;
+};
+template <class... F>
+Overloaded(F...) -> Overloaded<F...>;
+
+variable_list undefined_list(std::size_t n) { return variable_list(n); }
+
+void accumulate(detail::VariableImpl& var, const Variable& incoming) {
+  if (!incoming.defined()) return;
+  STAGEJIT_CHECK_AS(ShapeError, incoming.sizes() == var.data.sizes(),
+                    "AccumulateGrad: gradient of shape ", shape_str(incoming.sizes()),
+                    " for a leaf of shape ", shape_str(var.data.sizes()));
+  Variable g = incoming;
+  if (!GradMode::is_enabled()) g = g.detach();
+  std::lock_guard<std::mutex> lock(var.mutex);
+  if (!var.grad) {
+    var.grad = g.impl();
+    return;
+  }
+  Variable old = Variable::from_impl(var.grad);
+  if (GradMode::is_enabled()) {
+    var.grad = stagejit::add(old, g).impl();
+  } else {
+    var.grad = Variable(at::add(old.data(), g.data())).impl();
+  }
+}
+
+variable_list apply_op_backward(Function& self, OpBackward& ob, variable_list& grads) {
+  STAGEJIT_CHECK(!ob.released, "Function '", self.name(),
+                 "': saved variables were already freed (run the earlier backward with "
+                 "keep_graph = true)");
+  const std::size_t n = self.next_functions.size();
+  bool any = false;
+  for (auto& g : grads) any = any || g.defined();
+  if (!any) return undefined_list(n);
+  auto me = self.shared_from_this();
+  variable_list inputs(ob.saved_inputs.size()), outputs(ob.saved_outputs.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i) inputs[i] = ob.saved_inputs[i].unpack(me);
+  for (std::size_t i = 0; i < outputs.size(); ++i) outputs[i] = ob.saved_outputs[i].unpack(me);
+  uint64_t mask = 0;
+  for (std::size_t i = 0; i < n && i < 64; ++i)
+    if (self.next_functions[i].is_valid()) mask |= (uint64_t{1} << i);
+  BackwardArgs args{ob.attrs, inputs, outputs, grads, ob.input_meta, mask};
+  variable_list res = ob.op->backward(args);
+  res.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!self.next_functions[i].is_valid()) {
+      res[i] = Variable();
+      continue;
+    }
+    if (!res[i].defined()) continue;
+    const InputMeta& meta = ob.input_meta[i];
+    if (res[i].sizes() != at::IntArrayRef(meta.sizes)) {
+      STAGEJIT_CHECK_AS(ShapeError, at::is_expandable_to(meta.sizes, res[i].sizes()),
+                        "Function '", self.name(), "': gradient ", i, " has shape ",
+                        shape_str(res[i].sizes()), ", expected ", shape_str(meta.sizes));
+      res[i] = sum_to_size(res[i], std::vector<int64_t>(meta.sizes.begin(), meta.sizes.end()));
+    }
+    if (res[i].scalar_type() != meta.options.dtype().toScalarType())
+      res[i] = to(res[i], meta.options.dtype().toScalarType());
+  }
+  return res;
+}
+
+variable_list apply_host_backward(Function& self, HostBackward& hb, variable_list& grads);
+variable_list apply_eval(Function& self, Eval& ev, variable_list& grads);
+
+void check_one_undefined(const Function& self, const variable_list& inputs) {
+  STAGEJIT_CHECK(inputs.size() == 1 && !inputs[0].defined(), "Function '", self.name(),
+                 "' expects exactly one undefined input (got ", inputs.size(), " inputs)");
+}
+
+}  // namespace
+
+std::string Function::name() const {
+  return std::visit(
+      Overloaded{
+          [](const AccumulateGrad&) -> std::string { return "AccumulateGrad"; },
+          [](const OpBackward& o) -> std::string { return std::string(o.op->backward_name); },
+          [](const HostBackward& h) -> std::string { return h.name + "Backward"; },
+          [](const ErrorFunction&) -> std::string { return "Error"; },
+          [](const Eval&) -> std::string { return "Eval"; },
+          [](const EvalOutput&) -> std::string { return "EvalOutput"; },
+          [](const Replicate&) -> std::string { return "Replicate"; },
+          [](const InputPlaceholder&) -> std::string { return "InputPlaceholder"; },
+          [](const PrevStageInput&) -> std::string { return "PrevStageInput"; },
+          [](const EvalPlaceholder&) -> std::string { return "EvalPlaceholder"; },
+          [](const Output&) -> std::string { return "Output"; },
+          [](const SimpleEval& s) -> std::string {
+            return s.fn ? "SimpleEval(" + s.fn->name() + ")" : "SimpleEval";
+          },
+          [](const EmitNull&) -> std::string { return "EmitNull"; },
+          [](const Lambda& l) -> std::string {
+            return l.op ? "Lambda(" + std::string(l.op->name) + ")" : "Lambda";
+          },
+          [](const HostCall& h) -> std::string { return "HostCall(" + h.name + ")"; },
+          [](const WrapConstant&) -> std::string { return "WrapConstant"; },
+          [](const ConstantFactory&) -> std::string { return "ConstantFactory"; },
+          [](const FusedKernel& f) -> std::string { return "FusedKernel(" + f.name + ")"; },
+          [](const ClosureFunction& c) -> std::string {
+            return c.impl ? std::string(c.impl->name()) : "Closure";
+          },
+      },
+      kind);
+}
+
+variable_list Function::apply(variable_list inputs) {
+  const std::size_t n = next_functions.size();
+  return std::visit(
+      Overloaded{
+          [&](AccumulateGrad& a) -> variable_list {
+            STAGEJIT_CHECK(inputs.size() == 1, "AccumulateGrad expects 1 input, got ",
+                           inputs.size());
+            accumulate(*a.variable, inputs[0]);
+            return {};
+          },
+          [&](OpBackward& o) { return apply_op_backward(*this, o, inputs); },
+          [&](HostBackward& h) { return apply_host_backward(*this, h, inputs); },
+          [&](ErrorFunction& e) -> variable_list { throw Error(e.message); },
+          [&](Eval& e) { return apply_eval(*this, e, inputs); },
+          [&](EvalOutput&) { return undefined_list(n); },
+          [&](Replicate&) -> variable_list {
+            STAGEJIT_CHECK(inputs.size() == 1, "Replicate expects 1 input");
+            return variable_list(n, inputs[0]);
+          },
+          [&](InputPlaceholder&) { return inputs; },
+          [&](PrevStageInput&) -> variable_list {
+            STAGEJIT_CHECK(inputs.size() == 1, "PrevStageInput expects 1 input");
+            return variable_list(n, inputs[0]);
+          },
+          [&](EvalPlaceholder&) { return inputs; },
+          [&](Output&) -> variable_list {
+            throw Error("Output::apply called (an Output must be stopped by a "
+                        "CaptureOutputs pre-callback)");
+          },
+          [&](SimpleEval& s) -> variable_list {
+            STAGEJIT_CHECK(s.fn, "SimpleEval without a function");
+            return s.fn->apply(std::move(inputs));
+          },
+          [&](EmitNull&) { return undefined_list(1); },
+          [&](Lambda& l) -> variable_list {
+            if (l.op) return ops::apply(*l.op, inputs, l.attrs);
+            STAGEJIT_CHECK(l.fn, "Lambda without an op or a callable");
+            return l.fn(inputs);
+          },
+          [&](HostCall& h) -> variable_list {
+            STAGEJIT_CHECK(h.call, "HostCall '", h.name, "' without a callable");
+            return h.call(inputs);
+          },
+          [&](WrapConstant& w) -> variable_list {
+            check_one_undefined(*this, inputs);
+            return {Variable(w.value.clone())};
+          },
+          [&](ConstantFactory&) -> variable_list {
+            check_one_undefined(*this, inputs);
+            return undefined_list(n);
+          },
+          [&](FusedKernel& f) -> variable_list {
+            STAGEJIT_CHECK(f.run, "FusedKernel '", f.name, "' has no kernel");
+            return f.run(inputs);
+          },
+          [&](ClosureFunction& c) -> variable_list {
+            STAGEJIT_CHECK(c.impl, "ClosureFunction without an implementation");
+            return c.impl->apply(std::move(inputs));
+          },
+      },
+      kind);
+}
+
+void Function::release_variables() {
+  if (auto* o = std::get_if<OpBackward>(&kind)) {
+    for (auto& s : o->saved_inputs) s.reset();
+    for (auto& s : o->saved_outputs) s.reset();
+    o->released = true;
+  }
+}
+
+// ------------------------------------------------------------------ callbacks
+bool run_callback(const CallbackPolicy& policy, Function& fn, variable_list& inputs,
+                  variable_list* outputs, CallState* state) {
+  auto need_state = [&](const char* what) {
+    STAGEJIT_CHECK(state, "callback ", what, " on Function '", fn.name(),
+                   "' needs a CallState");
+  };
+  return std::visit(
+      Overloaded{
+          [&](const CaptureValue& c) {
+            need_state("CaptureValue");
+            STAGEJIT_CHECK(c.input < inputs.size(), "CaptureValue: Function '", fn.name(),
+                           "' has no input ", c.input);
+            std::lock_guard<std::mutex> lock(state->mutex);
+            if (state->values.size() <= c.slot) state->values.resize(c.slot + 1);
+            state->values[c.slot] = inputs[c.input];
+            return true;
+          },
+          [&](const CaptureHandle& c) {
+            need_state("CaptureHandle");
+            STAGEJIT_CHECK(outputs && c.output < outputs->size(), "CaptureHandle: Function '",
+                           fn.name(), "' has no output ", c.output,
+                           " (CaptureHandle is a post callback)");
+            std::lock_guard<std::mutex> lock(state->mutex);
+            if (state->handles.size() <= c.slot) state->handles.resize(c.slot + 1);
+            state->handles[c.slot] = (*outputs)[c.output].grad_fn();
+            return true;
+          },
+          [&](const RunHandle& r) {
+            need_state("RunHandle");
+            STAGEJIT_CHECK(outputs, "RunHandle is a post callback (Function '", fn.name(), "')");
+            std::shared_ptr<Function> h;
+            {
+              std::lock_guard<std::mutex> lock(state->mutex);
+              if (r.slot < state->handles.size()) h = state->handles[r.slot];
+            }
+            STAGEJIT_CHECK(h, "RunHandle: no handle captured in slot ", r.slot,
+                           " for Function '", fn.name(), "'");
+            *outputs = h->apply(inputs);
+            return true;
+          },
+          [&](const CaptureOutputs&) {
+            need_state("CaptureOutputs");
+            std::lock_guard<std::mutex> lock(state->mutex);
+            state->outputs = inputs;
+            return false;
+          },
+          [&](const GenericCallback& g) { return g.fn ? g.fn(fn, inputs, outputs, state) : true; },
+      },
+      policy);
+}
+
+// ------------------------------------------------------------------ grad(), backward()
+namespace {
+
+void make_roots(const variable_list& outputs, const variable_list& grad_outputs,
+                std::vector<Edge>& roots, variable_list& grads) {
+  STAGEJIT_CHECK(!outputs.empty(), "grad/backward: no outputs given");
+  STAGEJIT_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(),
+                 "grad/backward: got ", grad_outputs.size(), " grad_outputs for ",
+                 outputs.size(), " outputs");
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const Variable& out = outputs[i];
+    STAGEJIT_CHECK(out.defined(), "grad/backward: output ", i, " is undefined");
+    STAGEJIT_CHECK(out.requires_grad(), "grad/backward: element ", i,
+                   " of outputs does not require grad and has no grad_fn");
+    Variable g = grad_outputs.empty() ? Variable() : grad_outputs[i];
+    if (g.defined()) {
+      STAGEJIT_CHECK_AS(ShapeError, g.sizes() == out.sizes(), "grad/backward: grad_output ", i,
+                        " has shape ", shape_str(g.sizes()), " but output ", i, " has shape ",
+                        shape_str(out.sizes()));
+    } else {
+      STAGEJIT_CHECK(out.numel() == 1, "grad can be implicitly created only for scalar outputs "
+                     "(output ", i, " has shape ", shape_str(out.sizes()),
+                     "; pass a grad_output)");
+      g = Variable(at::ones_like(out.data(), at::MemoryFormat::Preserve));
+    }
+    roots.push_back(out.gradient_edge());
+    grads.push_back(std::move(g));
+  }
+}
+
+}  // namespace
+
+variable_list grad(const variable_list& outputs, const variable_list& inputs,
+                   const variable_list& grad_outputs, bool create_graph, bool allow_unused) {
+  std::vector<Edge> roots;
+  variable_list grads;
+  make_roots(outputs, grad_outputs, roots, grads);
+  STAGEJIT_CHECK(!inputs.empty(), "grad: no inputs given");
+  ExecuteOptions opts;
+  opts.create_graph = create_graph;
+  opts.keep_graph = true;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    STAGEJIT_CHECK(inputs[i].defined(), "grad: input ", i, " is undefined");
+    STAGEJIT_CHECK(inputs[i].requires_grad(), "grad: element ", i,
+                   " of inputs does not require grad");
+    opts.capture.push_back(inputs[i].gradient_edge());
+  }
+  variable_list res = execute(roots, grads, opts);
+  for (std::size_t i = 0; i < res.size(); ++i) {
+    STAGEJIT_CHECK(res[i].defined() || allow_unused, "grad: element ", i,
+                   " of inputs was not used in the graph (pass allow_unused = true to get an "
+                   "undefined gradient instead)");
+  }
+  return res;
+}
+
+void backward(const variable_list& outputs, const variable_list& grad_outputs,
+              bool create_graph) {
+  std::vector<Edge> roots;
+  variable_list grads;
+  make_roots(outputs, grad_outputs, roots, grads);
+  ExecuteOptions opts;
+  opts.create_graph = create_graph;
+  execute(roots, grads, opts);
+}
+
+// ------------------------------------------------------------------ host functions
+variable_list HostContext::get_saved_variables() const {
+  if (!finalized_) return to_save_;
+  auto owner = owner_.lock();
+  variable_list out;
+  out.reserve(saved_.size());
+  for (const auto& s : saved_) out.push_back(s.unpack(owner));
+  return out;
+}
+
+void HostContext::finalize(const variable_list& outputs, const std::shared_ptr<Function>& owner) {
+  owner_ = owner;
+  saved_.clear();
+  for (const auto& v : to_save_) {
+    bool is_output = false;
+    for (const auto& o : outputs) is_output = is_output || (v.defined() && o.impl_id() == v.impl_id());
+    saved_.emplace_back(v, is_output && owner != nullptr);
+  }
+  to_save_.clear();
+  finalized_ = true;
+}
+
+namespace detail {
+
+std::shared_ptr<Function> finish_host_call(
+    const std::string& name, const std::shared_ptr<HostContext>& ctx,
+    const variable_list& inputs, variable_list& outputs,
+    std::function<variable_list(HostContext*, variable_list)> backward, bool traceable,
+    const std::string& calling_convention, const std::vector<Scalar>& scalars) {
+  for (auto& o : outputs) {
+    if (!o.defined()) continue;
+    bool is_input = false;
+    for (const auto& in : inputs) is_input = is_input || in.impl_id() == o.impl_id();
+    if (is_input || o.requires_grad()) o = Variable(o.data());
+  }
+  bool needs = false;
+  if (GradMode::is_enabled())
+    for (const auto& in : inputs) needs = needs || in.requires_grad();
+  std::shared_ptr<Function> fn;
+  if (needs) {
+    std::vector<Edge> edges;
+    std::vector<InputMeta> metas;
+    for (const auto& in : inputs) {
+      edges.push_back(in.gradient_edge());
+      metas.push_back(InputMeta{at::DimVector(in.sizes()), in.options()});
+    }
+    fn = make_function(HostBackward{name, ctx, std::move(backward), std::move(metas), traceable},
+                       std::move(edges), static_cast<uint32_t>(outputs.size()));
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i].defined() && at::isFloatingType(outputs[i].scalar_type()))
+        outputs[i].set_gradient_edge(Edge{fn, static_cast<uint32_t>(i)});
+    }
+  }
+  ctx->finalize(outputs, fn);
+  if (!traceable)
+    if (auto* hook = current_trace_hook())
+      hook->record_host_op(name, calling_convention, scalars, inputs, outputs, fn);
+  return fn;
+}
+
+}  // namespace detail
+
+namespace {
+
+variable_list apply_host_backward(Function& self, HostBackward& hb, variable_list& grads) {
+  TraceHook* hook = hb.traceable ? nullptr : current_trace_hook();
+  variable_list grads_in = grads;
+  variable_list results;
+  {
+    TraceHookGuard suspend(hb.traceable ? current_trace_hook() : nullptr);
+    results = hb.backward(hb.ctx.get(), grads);
+  }
+  STAGEJIT_CHECK(results.size() == hb.input_meta.size(), "HostFunction '", hb.name,
+                 "': backward returned ", results.size(), " gradients, expected ",
+                 hb.input_meta.size(), " (one per tensor input)");
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    if (!results[i].defined()) continue;
+    STAGEJIT_CHECK_AS(ShapeError, results[i].sizes() == at::IntArrayRef(hb.input_meta[i].sizes),
+                      "HostFunction '", hb.name, "': backward gradient ", i, " has shape ",
+                      shape_str(results[i].sizes()), ", expected ",
+                      shape_str(hb.input_meta[i].sizes), " (the shape of input ", i, ")");
+    if (!self.next_functions[i].is_valid()) results[i] = Variable();
+  }
+  std::shared_ptr<Function> backward_of_outputs;
+  bool any_rg = false;
+  for (auto& r : results) any_rg = any_rg || r.requires_grad();
+  if (GradMode::is_enabled() && any_rg && !hb.traceable) {
+    variable_list boundary = grads_in;
+    for (auto& s : hb.ctx->get_saved_variables()) boundary.push_back(s);
+    backward_of_outputs = eval::wrap(boundary, results);
+  }
+  if (hook) hook->record_eval(self, grads_in, results, backward_of_outputs);
+  return results;
+}
+
+// ------------------------------------------------------------------ Eval
+variable_list apply_eval(Function& self, Eval& ev, variable_list& grads) {
+  TraceHook* hook = current_trace_hook();
+  const std::size_t n = self.next_functions.size();
+  variable_list results(n);
+  std::vector<Edge> roots;
+  variable_list root_grads;
+  for (std::size_t i = 0; i < ev.roots.size() && i < grads.size(); ++i) {
+    if (grads[i].defined() && ev.roots[i].is_valid()) {
+      roots.push_back(ev.roots[i]);
+      root_grads.push_back(grads[i]);
+    }
+  }
+  if (!roots.empty()) {
+    ExecuteCallbacks cbs;
+    std::mutex m;
+    for (std::size_t i = 0; i < ev.placeholders.size(); ++i) {
+      cbs.pre.emplace(ev.placeholders[i].get(),
+                      GenericCallback{[&results, &m, i](Function&, variable_list& in,
+                                                        variable_list*, CallState*) {
+                        std::lock_guard<std::mutex> lock(m);
+                        if (!in.empty()) results[i] = in[0];
+                        return false;
+                      }});
+    }
+    ExecuteOptions opts;
+    opts.create_graph = GradMode::is_enabled();
+    opts.keep_graph = true;
+    TraceHookGuard suspend(nullptr);
+    execute(roots, root_grads, opts, cbs);
+  }
+  for (std::size_t i = 0; i < n; ++i)
+    if (!self.next_functions[i].is_valid()) results[i] = Variable();
+  std::shared_ptr<Function> backward_of_outputs;
+  bool any_rg = false;
+  for (auto& r : results) any_rg = any_rg || r.requires_grad();
+  if (GradMode::is_enabled() && any_rg)
+    backward_of_outputs = eval::wrap(grads, results, self.shared_from_this());
+  if (hook) hook->record_eval(self, grads, results, backward_of_outputs);
+  return results;
+}
+
+struct EdgeHash {
+  std::size_t operator()(const Edge& e) const noexcept {
+    return std::hash<const void*>()(e.function.get()) * 31 + e.input_nr;
+  }
+};
+
+}  // namespace
+
+namespace eval {
+
+std::shared_ptr<Function> wrap(const variable_list& inputs, const variable_list& outputs,
+                               const std::shared_ptr<Function>& inherited) {
+  // Note [Eval boundary]: an edge ends the subgraph when it is the gradient edge of an
+  // input or the outer edge of an inherited placeholder (new placeholders are patched in),
+  // when it points to a leaf accumulator (likewise), or when it points to an existing
+  // EvalOutput placeholder (of `inherited` or any earlier Eval): that placeholder is reused
+  // as is, not patched, so the earlier Eval's subgraph stays intact.
+  std::vector<Edge> boundary;
+  std::unordered_map<Edge, std::size_t, EdgeHash> boundary_index;
+  auto add_boundary = [&](const Edge& e) {
+    if (!e.is_valid() || boundary_index.count(e)) return;
+    boundary_index.emplace(e, boundary.size());
+    boundary.push_back(e);
+  };
+  for (const auto& in : inputs)
+    if (in.defined() && in.requires_grad()) add_boundary(in.gradient_edge());
+  std::vector<std::shared_ptr<Function>> reused;   // existing placeholders, in order
+  std::unordered_map<const Function*, bool> reused_reached;
+  if (inherited) {
+    const auto* ev = std::get_if<Eval>(&inherited->kind);
+    STAGEJIT_CHECK(ev, "eval::wrap: `inherited` must be an Eval, got '", inherited->name(), "'");
+    for (const auto& ph : ev->placeholders) {
+      add_boundary(std::get<EvalOutput>(ph->kind).next_edge);
+      reused.push_back(ph);
+      reused_reached.emplace(ph.get(), false);
+    }
+  }
+  std::vector<std::size_t> relevant;
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const auto& o = outputs[i];
+    if (!o.defined() || !o.requires_grad() || o.is_leaf()) continue;
+    if (boundary_index.count(o.gradient_edge())) continue;  // pass-through of an input
+    relevant.push_back(i);
+  }
+  if (relevant.empty()) return nullptr;
+  struct Begin { Function* fn; std::size_t slot; Edge end; };
+  std::vector<Begin> begins;
+  std::unordered_set<const Function*> seen;
+  std::vector<Function*> stack;
+  for (std::size_t i : relevant) {
+    Function* f = outputs[i].grad_fn().get();
+    if (seen.insert(f).second) stack.push_back(f);
+  }
+  while (!stack.empty()) {
+    Function* f = stack.back();
+    stack.pop_back();
+    for (std::size_t s = 0; s < f->next_functions.size(); ++s) {
+      const Edge& e = f->next_functions[s];
+      if (!e.is_valid()) continue;
+      if (e.function->is<EvalOutput>()) {
+        auto [it, inserted] = reused_reached.emplace(e.function.get(), true);
+        if (inserted) reused.push_back(e.function);
+        it->second = true;
+      } else if (boundary_index.count(e) || e.function->is<AccumulateGrad>()) {
+        add_boundary(e);
+        begins.push_back({f, s, e});
+      } else if (seen.insert(e.function.get()).second) {
+        stack.push_back(e.function.get());
+      }
+    }
+  }
+  std::vector<bool> reached(boundary.size(), false);
+  for (auto& b : begins) reached[boundary_index.at(b.end)] = true;
+  std::vector<Edge> next;
+  std::vector<std::shared_ptr<Function>> placeholders;
+  std::unordered_map<Edge, std::shared_ptr<Function>, EdgeHash> ph_of;
+  for (std::size_t i = 0; i < boundary.size(); ++i) {
+    if (!reached[i]) continue;
+    auto ph = make_function(EvalOutput{boundary[i]}, {}, 1);
+    ph_of.emplace(boundary[i], ph);
+    placeholders.push_back(ph);
+    next.push_back(boundary[i]);
+  }
+  for (const auto& ph : reused) {
+    if (!reused_reached.at(ph.get())) continue;
+    placeholders.push_back(ph);
+    next.push_back(std::get<EvalOutput>(ph->kind).next_edge);
+  }
+  for (auto& b : begins) b.fn->next_functions[b.slot] = Edge{ph_of.at(b.end), 0};
+  Eval ev;
+  for (std::size_t i : relevant) ev.roots.push_back(outputs[i].gradient_edge());
+  ev.placeholders = placeholders;
+  auto fn = make_function(std::move(ev), std::move(next), static_cast<uint32_t>(relevant.size()));
+  for (std::size_t k = 0; k < relevant.size(); ++k)
+    outputs[relevant[k]].set_gradient_edge(Edge{fn, static_cast<uint32_t>(k)});
+  return fn;
+}
+
+std::shared_ptr<Function> backward_eval(const variable_list& outputs) {
+  for (const auto& o : outputs)
+    if (o.defined() && o.requires_grad())
+      return (o.grad_fn() && o.grad_fn()->is<Eval>()) ? o.grad_fn() : nullptr;
+  return nullptr;
+}
+
+}  // namespace eval
+}  // namespace stagejit

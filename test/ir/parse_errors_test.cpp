@@ -1,0 +1,85 @@
+#include <stagejit/stagejit.hpp>
+#include <stagejit/testing/doctest.hpp>
+
+namespace ir = stagejit::ir;
+
+namespace {
+struct Bad {
+  const char* text;
+  size_t line, column;
+  const char* message_part;
+};
+
+
+const std::vector<Bad>& cases() {
+  static const std::vector<Bad> all = {
+      {"", 1, 1, "expected 'graph', found end of input"},
+      {"grph() {}", 1, 1, "expected 'graph'"},
+      {"graph(%x : Float(2) {\n", 1, 21, "expected ',' or ')' after a graph input"},
+      {"graph(%x : Flot(2)) {", 1, 12, "unknown type 'Flot'"},
+      {"graph(%x : Float(2, -1)) {", 1, 21, "size -1 is negative"},
+      {"graph(%x Float(2)) {", 1, 10, "expected ':' after the input name"},
+      {"graph(%x : Float(2 3)) {", 1, 20, "expected ',' or ')' in the sizes"},
+      {"graph(%.x : Float(2)) {", 1, 7, "invalid value name %.x"},
+      {"graph(%x : Float(2, device=gpu)) {", 1, 28, "invalid device 'gpu'"},
+      {"graph(%x : Float(2)) {\n  %0 : Float(2) = neg(%y);\n  return (%0);\n}\n", 2, 23, "undefined value %y"},
+      {"graph(%x : Float(2)) {\n  %0 : Float(2) = neg(%x)\n  return (%0);\n}\n", 3, 3,
+       "expected ';' at the end of the node, found 'return'"},
+      {"graph(%x : Float(2)) {\n  %x : Float(2) = neg(%x);\n  return (%x);\n}\n", 2, 3, "value %x is already defined"},
+      {"graph(%x : Float(2)) {\n  %0 : Float(2) = neg(%x);\n}\n", 3, 1, "expected an op name, found '}'"},
+      {"graph(%x : Float(2)) {\n  %0 : Float(2) = neg(%x);\n", 3, 1, "expected a node or 'return', found end of input"},
+      {"graph() {\n  %0 : Float(1) = f[s=\"abc](); \n", 2, 23, "unterminated string"},
+      {"graph(%x : Float(2),\n      -------- stage 1 --------\n      -------- stage 1 --------\n      %y : Float(2)) {",
+       3, 22, "expected a stage after 1 (stages only increase)"},
+      {"graph() {\n  ---------------- stage x ----------------\n", 2, 26, "expected a stage number (an integer)"},
+      {"graph() {\n  @\n", 2, 3, "unexpected character '@'"},
+      {"graph(%x : Float(2)) {\n  %0 : Float(2) = ^F[tx](%x);\n", 2, 22, "may only contain 't' and 's'"},
+      {"graph(%x : Float(2)) {\n  %0 : Float(2) = ^F[t](%x)(%x);\n", 2, 25, "expected a value (number, string, list or tensor literal)"},
+      {"graph() {\n  %0 : Float(2) = Param();\n", 2, 19, "Param nodes cannot appear in a graph body"},
+      {"graph() {\n  %0 : Float(2) = Constant();\n", 2, 19, "Constant needs attribute 'value'"},
+      {"graph() {\n  %0 : Float(2) = Gemm[alpha=\"x\", beta=1.0]();\n", 2, 24,
+       "attribute 'alpha' of Gemm must be of kind f, found s"},
+      {"graph() {\n  %0 : Float(2) = Constant[value=Float(2){1.0}]();\n", 2, 42, "tensor literal of 2 elements has 1 values"},
+      {"graph() {\n  %0 : Long(1) = Constant[value=Long(1){1.5}]();\n", 2, 41, "expected a Long value, found '1.5'"},
+      {"graph(%x : Float(2)) {\n  %0 : Float(2) = neg(%x), uses = [%0.i0, %0.i1];\n  return (%0);\n}\n", 2, 28,
+       "uses of output 0 list 2 uses but it has 1"},
+      {"graph(%x : Float(2)) {\n  %0 : Float(2) = neg(%x), uses = [%1.i1];\n  %1 : Float(2) = neg(%0);\n  return (%1);\n}\n",
+       2, 36, "use %1.i1 does not match any use of this value"},
+      {"graph(%x : Float(2)) {\n  %0 : Float(2) = neg(%x), uses = [%1];\n", 2, 36, "expected a use such as %5.i0"},
+      {"graph(%x : Float(2)) {\n  %0 : Float(2) = fusion_group_0(%x);\n  return (%0);\n}\n", 5, 1,
+       "expected 'with fusion_group_0 = graph(...)', found end of input"},
+      {"graph(%x : Float(2)) {\n  %0 : Float(2) = fusion_group_0(%x);\n  return (%0);\n}\nwith fusion_group_1 = graph() {\n",
+       5, 6, "no node uses fusion_group_1"},
+      {"graph() {\n  return ();\n}\nxyz", 4, 1, "expected end of input after the graph, found 'xyz'"},
+      {"graph(%x : Float(2),\n      -------- stage 1 --------\n      %g : Float(2)) {\n  return (%g, %x);\n}\n", 4, 15,
+       "output %x of stage 0 comes after an output of stage 1"},
+      {"graph(%x : Float(2),\n      -------- stage 2 --------\n      %g : Float(2)) {\n  return (%x | %g);\n}\n", 4, 3,
+       "return lists 2 stage groups but the graph has 3 stages"},
+      {"graph() {\n  %0 : Float(2) = f[a=1x]();\n", 2, 24, "malformed number"},
+      {"graph() {\n  %0 : Float(2) = f[a=<Tensor>]();\n", 2, 23, "elided values such as <Tensor> or <Graph> cannot be parsed"},
+      {"graph() {\n  %0 : Float(2) = f[a=[[1]]]();\n", 2, 24, "nested lists are not supported"},
+      {"graph() {\n  %0 : Float(2) = f[a=1, a=2]();\n", 2, 26, "attribute 'a' is given twice"},
+      {"graph() {\n  %0 : Float(2) = Undefined[x=1]();\n", 2, 28, "Undefined takes no attributes"},
+      {"graph() {\n  %0 : Float(2) = f[a=[1, \"s\"]]();\n", 2, 27, "list elements must all be numbers, strings or tensors"},
+      {"graph() {\n  return (%0 | %1);\n}\n", 2, 11, "undefined value %0"},
+  };
+  return all;
+}
+}  // namespace
+
+TEST_SUITE("ir") {
+  TEST_CASE("malformed IR text throws ParseError at the expected line:column") {
+    REQUIRE(cases().size() >= 25);
+    for (const Bad& b : cases()) {
+      CAPTURE(b.text);
+      try {
+        ir::parse(b.text);
+        FAIL("parsed without error");
+      } catch (const stagejit::ParseError& e) {
+        CHECK(e.line() == b.line);
+        CHECK(e.column() == b.column);
+        CHECK_MESSAGE(e.message().find(b.message_part) != std::string::npos, e.what());
+      }
+    }
+  }
+}

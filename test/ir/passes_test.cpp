@@ -1,0 +1,176 @@
+#include <stagejit/stagejit.hpp>
+#include <stagejit/testing/doctest.hpp>
+
+namespace ir = stagejit::ir;
+namespace passes = stagejit::passes;
+
+namespace {
+std::string run(const std::string& text, bool dce, bool cse) {
+  auto g = ir::parse(text);
+  ir::lint(*g);
+  if (cse) passes::eliminate_common_subexpressions(*g);
+  if (dce) passes::eliminate_dead_code(*g);
+  ir::lint(*g);
+  return ir::to_string(*g);
+}
+}  // namespace
+
+TEST_SUITE("ir") {
+  TEST_CASE("DCE removes unused chains and keeps every stage's outputs and live handles") {
+    std::string in =
+        "graph(%x : Float(2),\n"
+        "      -------- stage 1 --------\n"
+        "      %g : Float(2)) {\n"
+        "  %a : Float(2), %ha : Handle = ^Sq[t]()(%x);\n"
+        "  %b : Float(2), %hb : Handle = ^Cube[t]()(%x);\n"
+        "  %dead1 : Float(2) = exp(%x);\n"
+        "  %dead2 : Float(2) = neg(%dead1);\n"
+        "  ---------------- stage 1 ----------------\n"
+        "  %ga : Float(2) = Eval(%g, %ha);\n"
+        "  %gb : Float(2) = Eval(%g, %hb);\n"
+        "  %dead3 : Float(2) = mul(%ga, %a);\n"
+        "  return (%b | %ga);\n"
+        "}\n";
+    // %gb is unused, so its Eval goes, then ^Cube's handle is unused but its tensor
+    // output %b is a stage-0 output: ^Cube stays. ^Sq stays for the live Eval %ga.
+    CHECK(run(in, true, false) ==
+          "graph(%x : Float(2),\n"
+          "      -------- stage 1 --------\n"
+          "      %g : Float(2)) {\n"
+          "  %a : Float(2), %ha : Handle = ^Sq[t]()(%x);\n"
+          "  %b : Float(2), %hb : Handle = ^Cube[t]()(%x);\n"
+          "  ---------------- stage 1 ----------------\n"
+          "  %ga : Float(2) = Eval(%g, %ha);\n"
+          "  return (%b | %ga);\n"
+          "}\n");
+  }
+  TEST_CASE("DCE removes a dead Eval and then the HostOp that only fed it") {
+    std::string in =
+        "graph(%x : Float(2),\n"
+        "      -------- stage 1 --------\n"
+        "      %g : Float(2)) {\n"
+        "  %a : Float(2), %ha : Handle = ^Sq[t]()(%x);\n"
+        "  %y : Float(2) = relu(%x);\n"
+        "  ---------------- stage 1 ----------------\n"
+        "  %ga : Float(2) = Eval(%g, %ha);\n"
+        "  return (%y | %g);\n"
+        "}\n";
+    CHECK(run(in, true, false) ==
+          "graph(%x : Float(2),\n"
+          "      -------- stage 1 --------\n"
+          "      %g : Float(2)) {\n"
+          "  %y : Float(2) = relu(%x);\n"
+          "  return (%y | %g);\n"
+          "}\n");
+  }
+  TEST_CASE("DCE keeps ops with side effects and inside fusion groups keeps the outputs") {
+    std::string in =
+        "graph(%x : Float(2)) {\n"
+        "  %0 : Float(2) = add_[alpha=1](%x, %x);\n"
+        "  %1 : Float(2) = dropout[p=0.5, train=1](%x);\n"
+        "  %2 : Float(2) = fusion_group_0(%x);\n"
+        "  return (%2);\n"
+        "}\n"
+        "with fusion_group_0 = graph(%0 : Float(2)) {\n"
+        "  %1 : Float(2) = exp(%0);\n"
+        "  %2 : Float(2) = neg(%0);\n"
+        "  return (%2);\n"
+        "}\n";
+    CHECK(run(in, true, false) ==
+          "graph(%x : Float(2)) {\n"
+          "  %0 : Float(2) = add_[alpha=1](%x, %x);\n"
+          "  %1 : Float(2) = dropout[p=0.5, train=1](%x);\n"
+          "  %2 : Float(2) = fusion_group_0(%x);\n"
+          "  return (%2);\n"
+          "}\n"
+          "with fusion_group_0 = graph(%0 : Float(2)) {\n"
+          "  %1 : Float(2) = neg(%0);\n"
+          "  return (%1);\n"
+          "}\n");
+  }
+  TEST_CASE("CSE merges equal nodes of one stage, by kind, attributes and inputs") {
+    std::string in =
+        "graph(%x : Float(2),\n"
+        "      %y : Float(2)) {\n"
+        "  %a : Float(2) = mul(%x, %y);\n"
+        "  %b : Float(2) = mul(%x, %y);\n"
+        "  %c : Float(2) = mul(%y, %x);\n"
+        "  %d : Float(2) = add[alpha=1](%a, %b);\n"
+        "  %e : Float(2) = add[alpha=2](%a, %b);\n"
+        "  %f : Float(2) = add[alpha=1](%a, %a);\n"
+        "  return (%c, %d, %e, %f);\n"
+        "}\n";
+    CHECK(run(in, false, true) ==
+          "graph(%x : Float(2),\n"
+          "      %y : Float(2)) {\n"
+          "  %a : Float(2) = mul(%x, %y);\n"
+          "  %c : Float(2) = mul(%y, %x);\n"
+          "  %d : Float(2) = add[alpha=1](%a, %a);\n"
+          "  %e : Float(2) = add[alpha=2](%a, %a);\n"
+          "  return (%c, %d, %e, %d);\n"
+          "}\n");
+  }
+  TEST_CASE("CSE across stages keeps the earlier-stage node; never merges HostOp, Eval or Handles") {
+    std::string in =
+        "graph(%x : Float(2),\n"
+        "      -------- stage 1 --------\n"
+        "      %g : Float(2)) {\n"
+        "  %s : Float(2) = sigmoid(%x);\n"
+        "  %h1 : Float(2), %k1 : Handle = ^Sq[t]()(%x);\n"
+        "  %h2 : Float(2), %k2 : Handle = ^Sq[t]()(%x);\n"
+        "  ---------------- stage 1 ----------------\n"
+        "  %s2 : Float(2) = sigmoid(%x);\n"
+        "  %m : Float(2) = mul(%g, %s2);\n"
+        "  %e1 : Float(2) = Eval(%m, %k1);\n"
+        "  %e2 : Float(2) = Eval(%m, %k1);\n"
+        "  return (%s, %h1, %h2 | %e1, %e2);\n"
+        "}\n";
+    CHECK(run(in, false, true) ==
+          "graph(%x : Float(2),\n"
+          "      -------- stage 1 --------\n"
+          "      %g : Float(2)) {\n"
+          "  %s : Float(2) = sigmoid(%x);\n"
+          "  %h1 : Float(2), %k1 : Handle = ^Sq[t]()(%x);\n"
+          "  %h2 : Float(2), %k2 : Handle = ^Sq[t]()(%x);\n"
+          "  ---------------- stage 1 ----------------\n"
+          "  %m : Float(2) = mul(%g, %s);\n"
+          "  %e1 : Float(2) = Eval(%m, %k1);\n"
+          "  %e2 : Float(2) = Eval(%m, %k1);\n"
+          "  return (%s, %h1, %h2 | %e1, %e2);\n"
+          "}\n");
+  }
+  TEST_CASE("CSE merges Constants only when dtype, shape and values are equal; then DCE") {
+    std::string in =
+        "graph(%x : Float(2)) {\n"
+        "  %c1 : Float(2) = Constant[value=Float(2){1.0, 2.0}]();\n"
+        "  %c2 : Float(2) = Constant[value=Float(2){1.0, 2.0}]();\n"
+        "  %c3 : Double(2) = Constant[value=Double(2){1.0, 2.0}]();\n"
+        "  %c4 : Float(2) = Constant[value=Float(2){1.0, 3.0}]();\n"
+        "  %u1 : UNKNOWN_TYPE = Undefined();\n"
+        "  %u2 : UNKNOWN_TYPE = Undefined();\n"
+        "  %a : Float(2) = add[alpha=1](%c1, %c2);\n"
+        "  %b : Float(2) = mul(%c4, %x);\n"
+        "  %n : Float(2) = exp(%x);\n"
+        "  return (%a, %b, %c3, %u1, %u2);\n"
+        "}\n";
+    CHECK(run(in, true, true) ==
+          "graph(%x : Float(2)) {\n"
+          "  %c1 : Float(2) = Constant[value=Float(2){1.0, 2.0}]();\n"
+          "  %c3 : Double(2) = Constant[value=Double(2){1.0, 2.0}]();\n"
+          "  %c4 : Float(2) = Constant[value=Float(2){1.0, 3.0}]();\n"
+          "  %u1 : UNKNOWN_TYPE = Undefined();\n"
+          "  %a : Float(2) = add[alpha=1](%c1, %c1);\n"
+          "  %b : Float(2) = mul(%c4, %x);\n"
+          "  return (%a, %b, %c3, %u1, %u1);\n"
+          "}\n");
+  }
+  TEST_CASE("passes keep the tanh MLP example valid and CSE finds nothing to merge there") {
+    std::string text = "";
+    auto g = ir::parse(
+        "graph(%x : Float(3)) {\n  %0 : Float(3) = tanh(%x);\n  %1 : Float(3) = tanh(%x);\n"
+        "  %2 : Float(3) = mul(%0, %1);\n  return (%2);\n}\n");
+    CHECK(passes::eliminate_common_subexpressions(*g) == 1);
+    CHECK(ir::to_string(*g) == "graph(%x : Float(3)) {\n  %0 : Float(3) = tanh(%x);\n  %1 : Float(3) = mul(%0, %0);\n  return (%1);\n}\n");
+    CHECK(passes::eliminate_dead_code(*g) == 0);
+  }
+}
