@@ -482,7 +482,8 @@ std::shared_ptr<Function> finish_host_call(
     const std::string& name, const std::shared_ptr<HostContext>& ctx,
     const variable_list& inputs, variable_list& outputs,
     std::function<variable_list(HostContext*, variable_list)> backward, bool traceable,
-    const std::string& calling_convention, const std::vector<Scalar>& scalars) {
+    const std::string& calling_convention, const std::vector<Scalar>& scalars,
+    const HostCallable& call) {
   for (auto& o : outputs) {
     if (!o.defined()) continue;
     bool is_input = false;
@@ -510,7 +511,7 @@ std::shared_ptr<Function> finish_host_call(
   ctx->finalize(outputs, fn);
   if (!traceable)
     if (auto* hook = current_trace_hook())
-      hook->record_host_op(name, calling_convention, scalars, inputs, outputs, fn);
+      hook->record_host_op(name, calling_convention, scalars, inputs, outputs, fn, call);
   return fn;
 }
 

@@ -17,6 +17,10 @@
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/ops/op_def.hpp>
 #include <stagejit/ops/ops.hpp>
+#include <stagejit/core/arg_spec.hpp>
+#include <stagejit/trace/trace.hpp>
+#include <stagejit/trace/interpret.hpp>
+#include <stagejit/closure/compile.hpp>
 #include <stagejit/ir/ir.hpp>
 #include <stagejit/passes/cse.hpp>
 #include <stagejit/passes/dce.hpp>

@@ -260,7 +260,8 @@ TEST_SUITE("autograd") {
         ops.emplace_back(op);
       }
       void record_host_op(std::string_view, std::string_view, const std::vector<sj::Scalar>&,
-                          const VL&, const VL&, const std::shared_ptr<sj::Function>&) override {}
+                          const VL&, const VL&, const std::shared_ptr<sj::Function>&,
+                          const sj::HostCallable&) override {}
       void record_eval(const sj::Function&, const VL&, const VL&,
                        const std::shared_ptr<sj::Function>&) override {}
     } rec;

@@ -52,7 +52,8 @@ struct Recorder : sj::TraceHook {
     events.push_back("op:" + std::string(op));
   }
   void record_host_op(std::string_view name, std::string_view conv, const std::vector<sj::Scalar>& s,
-                      const VL& in, const VL& out, const std::shared_ptr<sj::Function>& bw) override {
+                      const VL& in, const VL& out, const std::shared_ptr<sj::Function>& bw,
+                      const sj::HostCallable&) override {
     std::lock_guard<std::mutex> l(m);
     events.push_back("host:" + std::string(name) + "/" + std::string(conv) + "/" +
                      std::to_string(s.size()) + "/" + std::to_string(in.size()) + "/" +

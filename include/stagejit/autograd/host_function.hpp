@@ -23,6 +23,7 @@
 #include <stagejit/autograd/saved_variable.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
 #include <stagejit/autograd/variable.hpp>
+#include <stagejit/core/error.hpp>
 #include <stagejit/core/scalar.hpp>
 
 #include <boost/core/demangle.hpp>
@@ -70,7 +71,31 @@ std::shared_ptr<Function> finish_host_call(
     const std::string& name, const std::shared_ptr<HostContext>& ctx,
     const variable_list& inputs, variable_list& outputs,
     std::function<variable_list(HostContext*, variable_list)> backward, bool traceable,
-    const std::string& calling_convention, const std::vector<Scalar>& scalars);
+    const std::string& calling_convention, const std::vector<Scalar>& scalars,
+    const HostCallable& call);
+
+/// The argument as stored for a re-run: Variables are replaced by undefined placeholders
+/// (the re-run takes new tensors), everything else is copied.
+template <class A>
+auto stored_argument(const A& a) {
+  using D = std::remove_cvref_t<A>;
+  if constexpr (std::is_same_v<D, Variable>) return Variable();
+  else if constexpr (std::is_convertible_v<const D&, std::string> && !std::is_arithmetic_v<D>)
+    return std::string(a);
+  else return D(a);
+}
+
+/// The argument for a re-run: the next tensor input for a Variable, else the stored value.
+template <class A>
+decltype(auto) rerun_argument(const A& stored, const variable_list& inputs, std::size_t& next) {
+  if constexpr (std::is_same_v<A, Variable>) {
+    STAGEJIT_CHECK(next < inputs.size(), "host function re-run: expected more than ",
+                   inputs.size(), " tensor inputs");
+    return Variable(inputs[next++]);
+  } else {
+    return (stored);
+  }
+}
 
 template <class A>
 void collect_argument(const A& a, variable_list& inputs, std::vector<Scalar>& scalars,
@@ -145,10 +170,29 @@ struct HostFunction {
         outputs = T::forward(ctx.get(), std::forward<Args>(args)...);
       }
     }
+    HostCallable call;
+    if (!traceable && current_trace_hook()) {
+      call = [stored = std::make_tuple(detail::stored_argument(args)...)](
+                 const variable_list& in) -> variable_list {
+        return std::apply(
+            [&in](const auto&... a) -> variable_list {
+              std::size_t next = 0;
+              // Braced initialisation evaluates the arguments left to right.
+              auto args2 = std::tuple<std::remove_cvref_t<decltype(a)>...>{
+                  detail::rerun_argument(a, in, next)...};
+              STAGEJIT_CHECK(next == in.size(), "host function re-run: given ", in.size(),
+                             " tensor inputs, the call takes ", next);
+              auto r = std::apply([](auto&... x) { return HostFunction<T>::apply(x...); }, args2);
+              if constexpr (std::is_same_v<decltype(r), Variable>) return {r};
+              else return r;
+            },
+            stored);
+      };
+    }
     detail::finish_host_call(
         detail::host_function_name<T>(), ctx, inputs, outputs,
         [](HostContext* c, variable_list g) { return T::backward(c, std::move(g)); },
-        traceable, convention, scalars);
+        traceable, convention, scalars, call);
     if constexpr (std::is_same_v<R, Variable>) {
       return outputs[0];
     } else {

@@ -8,11 +8,16 @@
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/core/scalar.hpp>
 
+#include <functional>
 #include <memory>
 #include <string_view>
 #include <vector>
 
 namespace stagejit {
+
+/// Runs a host function again on new tensor inputs, with the scalars of the call it was
+/// made from (the IR interpreter and the closure compiler's HostCall use it).
+using HostCallable = std::function<variable_list(const variable_list&)>;
 
 /// Receives every op, host op and opaque backward run on threads where it is current.
 class TraceHook {
@@ -23,11 +28,13 @@ class TraceHook {
   virtual void record_op(std::string_view op, const Attributes& attrs,
                          const variable_list& inputs, const variable_list& outputs) = 0;
   /// A non-traceable HostFunction ran as a unit (its inner ops are not reported).
-  /// `calling_convention` has one letter per argument: `t` tensor, `s` scalar.
+  /// `calling_convention` has one letter per argument: `t` tensor, `s` scalar. `call`
+  /// re-runs the host function (same scalars) on new tensor inputs.
   virtual void record_host_op(std::string_view name, std::string_view calling_convention,
                               const std::vector<Scalar>& scalars, const variable_list& inputs,
                               const variable_list& outputs,
-                              const std::shared_ptr<Function>& backward) = 0;
+                              const std::shared_ptr<Function>& backward,
+                              const HostCallable& call) = 0;
   /// An opaque backward (HostBackward or Eval) ran as a unit. `backward_of_outputs` is the
   /// Eval that is grad_fn of `grad_outputs` (create_graph), or null.
   virtual void record_eval(const Function& fn, const variable_list& grad_inputs,

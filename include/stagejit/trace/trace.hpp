@@ -30,6 +30,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <ostream>
 #include <vector>
 
 namespace stagejit {
@@ -50,6 +51,10 @@ struct VariableFlags {
   /// True when `v` has the same flags (the closure compiler's input check).
   bool matches(const Variable& v) const { return of(v) == *this; }
   friend bool operator==(const VariableFlags&, const VariableFlags&) = default;
+  /// Prints `{defined, requires_grad}` as e.g. `defined+rg`, `defined`, `undefined`.
+  friend std::ostream& operator<<(std::ostream& os, const VariableFlags& f) {
+    return os << (f.defined ? "defined" : "undefined") << (f.requires_grad ? "+rg" : "");
+  }
 };
 
 /// Per stage: flags of the stage's inputs (stage 0: the traced inputs; s >= 1: the grad

@@ -1,6 +1,7 @@
 #pragma once
 // Implementation of trace() (see trace/trace.hpp). Internal.
 
+#include <stagejit/trace/trace.hpp>
 #include <stagejit/autograd/engine.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
