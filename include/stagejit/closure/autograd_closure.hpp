@@ -123,12 +123,19 @@ class StageCall final : public ClosureImpl {
     std::vector<Edge> edges = input_edges_;
     for (const auto& in : inputs) edges.push_back(in.requires_grad() ? in.gradient_edge() : Edge{});
 
-    const auto& out_flags = d.flags[stage_].outputs;
+    // Which outputs get the next stage as grad_fn. At the last compiled stage the trace
+    // fed grad outputs that did not require grad, so its flags say nothing; there every
+    // defined output gets the error function (asking for that derivative must fail
+    // loudly, not look like a constant).
+    const bool last = stage_ + 1 >= d.num_stages();
+    std::vector<bool> wants(outs.size(), false);
+    for (std::size_t i = 0; i < outs.size(); ++i)
+      wants[i] = last ? outs[i].defined()
+                      : (i < d.flags[stage_].outputs.size() && d.flags[stage_].outputs[i].requires_grad);
     std::shared_ptr<Function> grad_fn;
     if (GradMode::is_enabled()) {
       bool any = false;
-      for (std::size_t i = 0; i < outs.size() && i < out_flags.size(); ++i)
-        any = any || (out_flags[i].requires_grad && outs[i].defined());
+      for (std::size_t i = 0; i < outs.size(); ++i) any = any || (wants[i] && outs[i].defined());
       bool any_edge = false;
       for (const auto& e : edges) any_edge = any_edge || e.is_valid();
       if (any && any_edge) grad_fn = make_next(state, edges);
@@ -137,7 +144,7 @@ class StageCall final : public ClosureImpl {
     result.reserve(outs.size());
     uint32_t next_input = 0;
     for (std::size_t i = 0; i < outs.size(); ++i) {
-      bool rg = i < out_flags.size() && out_flags[i].requires_grad;
+      bool rg = wants[i];
       if (!outs[i].defined()) {
         result.emplace_back();
         if (rg) ++next_input;
@@ -160,6 +167,7 @@ class StageCall final : public ClosureImpl {
     uint32_t num_grads = 0;
     for (const auto& f : d.flags[stage_].outputs) num_grads += f.requires_grad ? 1 : 0;
     if (next >= d.num_stages()) {
+      num_grads = static_cast<uint32_t>(d.flags[stage_].outputs.size());
       std::vector<Edge> live;
       for (const auto& e : edges)
         if (e.is_valid()) live.push_back(e);

@@ -8,7 +8,7 @@
 ///
 /// Function per node (SPEC 3.5): Param -> InputPlaceholder (a root); a value of an
 /// earlier stage -> PrevStageInput (a root); Constant -> WrapConstant fed by the single
-/// ConstantFactory root; Undefined -> EmitNull (never run: consumers see undefined);
+/// ConstantFactory root (so are nullary ops such as `zeros`); Undefined -> EmitNull (never run: consumers see undefined);
 /// Op -> Lambda over the op table; HostOp -> HostCall; Eval -> EvalPlaceholder whose
 /// post-callback applies the Handle; Transpose / Reshape / Gemm -> Lambda over ATen; the
 /// stage's outputs -> one Output stopped by a CaptureOutputs pre-callback. Fan-out and
@@ -145,8 +145,19 @@ struct StageClosure {
             const OpDef* def = ops::find(kind.name);
             STAGEJIT_CHECK_AS(CompileError, def, "closure: node ", n->describe(),
                               " calls the unknown op '", kind.name, "'");
-            return make_function(Lambda{def, detail::to_core_attributes(kind.attributes), {}},
-                                 {}, n_in);
+            Attributes attrs = detail::to_core_attributes(kind.attributes);
+            if (n_in == 0) {
+              // A nullary op (e.g. `zeros`) is triggered by the ConstantFactory like a
+              // constant: the engine only runs functions that receive an input.
+              auto fn = make_function(
+                  Lambda{nullptr, {}, [def, attrs](const variable_list&) {
+                           return ops::apply(*def, {}, attrs);
+                         }},
+                  {}, 1);
+              factory->next_functions.push_back(Edge{fn, 0});
+              return fn;
+            }
+            return make_function(Lambda{def, std::move(attrs), {}}, {}, n_in);
           } else if constexpr (std::is_same_v<K, ir::HostOp>) {
             return host_call(n, kind);
           } else if constexpr (std::is_same_v<K, ir::Eval>) {
