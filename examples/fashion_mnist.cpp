@@ -1,0 +1,532 @@
+// The main job: train a Fashion-MNIST classifier (MLP 784-256-128-10, ReLU, cross-entropy,
+// SGD with momentum) with the training step - forward, loss and backward - run through
+// stagejit::compile(), stagejit's eager autograd (--eager) or libtorch's autograd
+// (--libtorch), from the same initial weights and the same batches (issue 7).
+//
+// Data: the gzipped IDX files of Debian's `dataset-fashion-mnist` package.
+
+#include <stagejit/stagejit.hpp>
+
+#include <CLI/CLI.hpp>
+#include <zlib.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace sj = stagejit;
+
+namespace {
+
+constexpr const char* kPackage = "dataset-fashion-mnist";
+constexpr int kSkipExitCode = 77;  // Meson's "test skipped"
+
+// ------------------------------------------------------------------ IDX files
+
+/// A dataset file is missing, unreadable or malformed.
+struct DatasetError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Split {
+  at::Tensor images;  // [n, 784] float, normalised
+  at::Tensor labels;  // [n] int64 in [0, 10)
+};
+
+/// Reads a whole gzip file (zlib reads plain files transparently too).
+std::vector<uint8_t> read_gzip(const std::string& path) {
+  gzFile f = gzopen(path.c_str(), "rb");
+  if (f == nullptr)
+    throw DatasetError("cannot open " + path + ": " + std::strerror(errno));
+  std::vector<uint8_t> bytes;
+  std::vector<uint8_t> chunk(1 << 20);
+  for (;;) {
+    int n = gzread(f, chunk.data(), static_cast<unsigned>(chunk.size()));
+    if (n < 0) {
+      int code = 0;
+      std::string msg = gzerror(f, &code);
+      gzclose(f);
+      throw DatasetError("cannot decompress " + path + ": " + msg);
+    }
+    if (n == 0) break;
+    bytes.insert(bytes.end(), chunk.begin(), chunk.begin() + n);
+  }
+  gzclose(f);
+  return bytes;
+}
+
+uint32_t be32(const std::vector<uint8_t>& b, std::size_t at) {
+  return (uint32_t(b[at]) << 24) | (uint32_t(b[at + 1]) << 16) | (uint32_t(b[at + 2]) << 8) |
+         uint32_t(b[at + 3]);
+}
+
+/// Parses an IDX file: checks the magic number, the dimension sizes and that the payload
+/// has exactly the size the header announces. Returns the payload.
+std::vector<uint8_t> read_idx(const std::string& path, uint32_t magic,
+                              const std::vector<uint32_t>& inner_dims, uint32_t& count) {
+  std::vector<uint8_t> b = read_gzip(path);
+  const std::size_t header = 4 + 4 * (1 + inner_dims.size());
+  auto bad = [&](const std::string& why) {
+    return DatasetError(path + " is not a valid IDX file: " + why);
+  };
+  if (b.size() < header) throw bad("only " + std::to_string(b.size()) + " bytes");
+  if (be32(b, 0) != magic)
+    throw bad("magic number " + std::to_string(be32(b, 0)) + ", expected " +
+              std::to_string(magic));
+  count = be32(b, 4);
+  std::size_t item = 1;
+  for (std::size_t i = 0; i < inner_dims.size(); ++i) {
+    uint32_t d = be32(b, 8 + 4 * i);
+    if (d != inner_dims[i])
+      throw bad("dimension " + std::to_string(i + 1) + " is " + std::to_string(d) +
+                ", expected " + std::to_string(inner_dims[i]));
+    item *= d;
+  }
+  const std::size_t expected = header + std::size_t(count) * item;
+  if (b.size() != expected)
+    throw bad(std::to_string(b.size()) + " bytes, the header announces " +
+              std::to_string(expected) + " (" + std::to_string(count) + " items)");
+  return std::vector<uint8_t>(b.begin() + header, b.end());
+}
+
+Split load_split(const std::string& dir, const std::string& prefix) {
+  const std::string img_path = dir + "/" + prefix + "-images-idx3-ubyte.gz";
+  const std::string lbl_path = dir + "/" + prefix + "-labels-idx1-ubyte.gz";
+  uint32_t n_img = 0, n_lbl = 0;
+  auto pixels = read_idx(img_path, 2051, {28, 28}, n_img);
+  auto labels = read_idx(lbl_path, 2049, {}, n_lbl);
+  if (n_img != n_lbl)
+    throw DatasetError(img_path + " holds " + std::to_string(n_img) + " images but " + lbl_path +
+                       " holds " + std::to_string(n_lbl) + " labels");
+  if (n_img == 0) throw DatasetError(img_path + " holds no images");
+  for (uint8_t l : labels)
+    if (l >= 10)
+      throw DatasetError(lbl_path + " holds label " + std::to_string(l) + ", expected 0..9");
+  Split s;
+  auto raw = at::from_blob(pixels.data(), {int64_t(n_img), 784}, at::kByte);
+  // Scale to [0, 1], then standardise with the training set's mean and std (0.2860, 0.3530).
+  s.images = ((raw.to(at::kFloat) / 255.0) - 0.2860) / 0.3530;
+  s.labels = at::from_blob(labels.data(), {int64_t(n_lbl)}, at::kByte).to(at::kLong);
+  return s;
+}
+
+// ------------------------------------------------------------------ the model
+
+/// W1, b1, W2, b2, W3, b3 as at::Tensors (float).
+using Params = std::vector<at::Tensor>;
+
+/// nn.Linear's default initialisation: kaiming_uniform_(a = sqrt(5)) on the weight, which
+/// is U(-1/sqrt(fan_in), 1/sqrt(fan_in)), and the same bound for the bias.
+Params init_params(uint64_t seed) {
+  at::manual_seed(seed);
+  const int64_t sizes[][2] = {{256, 784}, {128, 256}, {10, 128}};
+  Params p;
+  for (auto [out, in] : sizes) {
+    const double bound = 1.0 / std::sqrt(double(in));
+    p.push_back((at::rand({out, in}, at::kFloat) * 2 - 1) * bound);
+    p.push_back((at::rand({out}, at::kFloat) * 2 - 1) * bound);
+  }
+  return p;
+}
+
+/// The training step traced by compile(): in = {x [B,784] float, target [B] int64, W1, b1,
+/// W2, b2, W3, b3}; returns {mean cross-entropy loss}.
+sj::variable_list step_fn(const sj::variable_list& in) {
+  auto t = [](const sj::Variable& v) { return sj::t(v); };
+  sj::Variable h1 = sj::relu(sj::addmm(in[3], in[0], t(in[2])));
+  sj::Variable h2 = sj::relu(sj::addmm(in[5], h1, t(in[4])));
+  sj::Variable logits = sj::addmm(in[7], h2, t(in[6]));
+  return {sj::cross_entropy(logits, in[1])};
+}
+
+at::Tensor torch_loss(const std::vector<at::Tensor>& in) {
+  auto h1 = at::relu(at::addmm(in[3], in[0], in[2].t()));
+  auto h2 = at::relu(at::addmm(in[5], h1, in[4].t()));
+  auto logits = at::addmm(in[7], h2, in[6].t());
+  return at::cross_entropy_loss(logits, in[1]);
+}
+
+double test_accuracy(const Params& p, const Split& test) {
+  at::NoGradGuard no_grad;
+  auto h1 = at::relu(at::addmm(p[1], test.images, p[0].t()));
+  auto h2 = at::relu(at::addmm(p[3], h1, p[2].t()));
+  auto logits = at::addmm(p[5], h2, p[4].t());
+  auto correct = logits.argmax(1).eq(test.labels).sum().item<int64_t>();
+  return double(correct) / double(test.labels.size(0));
+}
+
+// ------------------------------------------------------------------ steppers
+
+enum class Mode { Compiled, Eager, Libtorch };
+
+const char* mode_name(Mode m) {
+  switch (m) {
+    case Mode::Compiled: return "compiled";
+    case Mode::Eager: return "eager";
+    case Mode::Libtorch: return "libtorch";
+  }
+  return "?";
+}
+
+/// Computes the loss and the parameter gradients of one batch in one of the three ways.
+class Stepper {
+ public:
+  Stepper(Mode mode) : mode_(mode), compiled_(sj::compile(step_fn, {.derivatives = 1})) {}
+
+  /// Returns the loss; `grads` receives dloss/dparam in the order of Params.
+  double step(const at::Tensor& x, const at::Tensor& y, const Params& p, Params& grads) {
+    if (mode_ == Mode::Libtorch) {
+      std::vector<at::Tensor> in = {x, y};
+      std::vector<at::Tensor> leaves;
+      for (const auto& t : p) leaves.push_back(t.detach().requires_grad_(true));
+      in.insert(in.end(), leaves.begin(), leaves.end());
+      auto loss = torch_loss(in);
+      auto g = torch::autograd::grad({loss}, leaves);
+      grads.assign(g.begin(), g.end());
+      return loss.item<double>();
+    }
+    sj::variable_list in = {sj::Variable(x), sj::Variable(y)};
+    sj::variable_list leaves;
+    for (const auto& t : p) leaves.emplace_back(t, /*requires_grad=*/true);
+    in.insert(in.end(), leaves.begin(), leaves.end());
+    sj::variable_list out = mode_ == Mode::Compiled ? compiled_(in) : step_fn(in);
+    auto g = sj::grad({out[0]}, leaves);
+    grads.clear();
+    for (const auto& v : g) grads.push_back(v.data());
+    return out[0].data().item<double>();
+  }
+
+  std::string graph(const at::Tensor& x, const at::Tensor& y, const Params& p) {
+    sj::variable_list in = {sj::Variable(x), sj::Variable(y)};
+    for (const auto& t : p) in.emplace_back(t, true);
+    return sj::ir::to_string(*compiled_.graph_for(in));
+  }
+
+  sj::CompiledFunction::Stats stats() const { return compiled_.stats(); }
+
+ private:
+  Mode mode_;
+  sj::CompiledFunction compiled_;
+};
+
+/// SGD with momentum as torch.optim.SGD does it (dampening 0, no Nesterov, no weight decay):
+/// buf = momentum * buf + g (buf = g on the first step); p -= lr * buf.
+struct Sgd {
+  double lr, momentum;
+  Params bufs;
+  void apply(Params& p, const Params& g) {
+    at::NoGradGuard no_grad;
+    if (bufs.empty())
+      for (const auto& t : g) bufs.push_back(t.clone());
+    else
+      for (std::size_t i = 0; i < g.size(); ++i) bufs[i].mul_(momentum).add_(g[i]);
+    for (std::size_t i = 0; i < p.size(); ++i) p[i].sub_(bufs[i], lr);
+  }
+};
+
+// ------------------------------------------------------------------ training loop
+
+struct Options {
+  int epochs = 2;
+  int64_t batch_size = 128;
+  double lr = 0.05;
+  double momentum = 0.9;
+  int threads = 0;
+  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  uint64_t seed = 0;
+  std::string metrics;
+  bool print_graph = false;
+  int64_t limit = 0;
+  bool eager = false, libtorch = false, compare = false;
+  int check_gradients = 0;
+  bool skip_missing = false;
+};
+
+struct EpochResult {
+  int epoch;
+  double train_loss, test_accuracy, images_per_s, seconds;
+};
+
+struct RunResult {
+  Mode mode;
+  std::vector<EpochResult> epochs;
+};
+
+std::string fmt_duration(double s) {
+  char buf[32];
+  if (s >= 60)
+    std::snprintf(buf, sizeof buf, "%dm%02ds", int(s) / 60, int(s) % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%.1fs", s);
+  return buf;
+}
+
+void progress_bar(int epoch, int epochs, int64_t done, int64_t total, double loss,
+                  double ips, double eta) {
+  const int width = 30;
+  int filled = total ? int(width * done / total) : width;
+  std::string bar(filled, '#');
+  bar.resize(width, '.');
+  std::printf("\repoch %d/%d [%s] %3d%%  loss %.4f  %7.0f img/s  ETA %s   ", epoch, epochs,
+              bar.c_str(), int(100 * done / std::max<int64_t>(total, 1)), loss, ips,
+              fmt_duration(eta).c_str());
+  std::fflush(stdout);
+}
+
+/// Trains from `init` in `mode`; the batch order depends only on the seed.
+RunResult train(Mode mode, const Options& o, const Params& init, const Split& train_set,
+                const Split& test_set) {
+  const bool tty = isatty(1);
+  Params p;
+  for (const auto& t : init) p.push_back(t.clone());
+  Sgd sgd{o.lr, o.momentum, {}};
+  Stepper stepper(mode);
+  const int64_t n = train_set.images.size(0);
+  // The last partial batch of each epoch is dropped (as DataLoader(drop_last=True)): every
+  // step then has one shape, so compile() traces once.
+  const int64_t steps = n / o.batch_size;
+  std::mt19937_64 rng(o.seed);
+  std::vector<int64_t> order(n);
+  RunResult result{mode, {}};
+  std::printf("[%s] %lld steps of %lld images per epoch\n", mode_name(mode), (long long)steps,
+              (long long)o.batch_size);
+  for (int epoch = 1; epoch <= o.epochs; ++epoch) {
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    auto perm = at::from_blob(order.data(), {n}, at::kLong).clone();
+    double loss_sum = 0;
+    Params grads;
+    auto t0 = std::chrono::steady_clock::now();
+    auto last_draw = t0;
+    for (int64_t s = 0; s < steps; ++s) {
+      auto idx = perm.narrow(0, s * o.batch_size, o.batch_size);
+      auto x = train_set.images.index_select(0, idx);
+      auto y = train_set.labels.index_select(0, idx);
+      double loss = stepper.step(x, y, p, grads);
+      if (!std::isfinite(loss))
+        throw std::runtime_error("training diverged: loss " + std::to_string(loss) +
+                                 " at epoch " + std::to_string(epoch) + " step " +
+                                 std::to_string(s) + " (try a smaller --lr)");
+      loss_sum += loss;
+      sgd.apply(p, grads);
+      auto now = std::chrono::steady_clock::now();
+      if (tty && (now - last_draw > std::chrono::milliseconds(100) || s + 1 == steps)) {
+        last_draw = now;
+        double el = std::chrono::duration<double>(now - t0).count();
+        double ips = double((s + 1) * o.batch_size) / el;
+        double eta = el / double(s + 1) * double(steps - s - 1);
+        progress_bar(epoch, o.epochs, s + 1, steps, loss_sum / double(s + 1), ips, eta);
+      }
+    }
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (tty) std::printf("\n");
+    EpochResult r{epoch, loss_sum / double(std::max<int64_t>(steps, 1)),
+                  test_accuracy(p, test_set), double(steps * o.batch_size) / secs, secs};
+    std::printf("[%s] epoch %d/%d  train loss %.4f  test accuracy %.2f%%  %.0f images/s  %.2fs\n",
+                mode_name(mode), epoch, o.epochs, r.train_loss, 100 * r.test_accuracy,
+                r.images_per_s, r.seconds);
+    std::fflush(stdout);
+    result.epochs.push_back(r);
+  }
+  if (mode == Mode::Compiled) {
+    auto st = stepper.stats();
+    std::printf("[compiled] compile cache: %zu miss(es), %zu hit(s)\n", st.misses, st.hits);
+  }
+  return result;
+}
+
+void write_metrics(const std::string& path, const std::vector<RunResult>& runs) {
+  std::ofstream f(path);
+  if (!f) throw std::runtime_error("cannot write metrics file " + path);
+  const bool many = runs.size() > 1;
+  f << (many ? "mode," : "") << "epoch,train_loss,test_accuracy,images_per_s,seconds\n";
+  for (const auto& run : runs)
+    for (const auto& e : run.epochs) {
+      if (many) f << mode_name(run.mode) << ',';
+      f << e.epoch << ',' << e.train_loss << ',' << e.test_accuracy << ',' << e.images_per_s
+        << ',' << e.seconds << '\n';
+    }
+}
+
+void print_summary(const std::vector<RunResult>& runs) {
+  std::printf("\nSummary\n");
+  std::printf("%-10s %5s %11s %14s %12s %9s\n", "mode", "epoch", "train loss", "test accuracy",
+              "images/s", "seconds");
+  for (const auto& run : runs)
+    for (const auto& e : run.epochs)
+      std::printf("%-10s %5d %11.4f %13.2f%% %12.0f %9.2f\n", mode_name(run.mode), e.epoch,
+                  e.train_loss, 100 * e.test_accuracy, e.images_per_s, e.seconds);
+  if (runs.size() > 1) {
+    // Throughput over all epochs (total images / total seconds), relative to libtorch.
+    double base = 0;
+    std::vector<double> ips;
+    for (const auto& run : runs) {
+      double imgs = 0, secs = 0;
+      for (const auto& e : run.epochs) {
+        imgs += e.images_per_s * e.seconds;
+        secs += e.seconds;
+      }
+      ips.push_back(imgs / secs);
+      if (run.mode == Mode::Libtorch) base = ips.back();
+    }
+    std::printf("\n%-10s %12s %12s\n", "mode", "images/s", "vs libtorch");
+    for (std::size_t i = 0; i < runs.size(); ++i)
+      std::printf("%-10s %12.0f %11.2fx\n", mode_name(runs[i].mode), ips[i],
+                  base > 0 ? ips[i] / base : 0.0);
+  }
+}
+
+/// Compares the compiled step's gradients with libtorch's on the first `steps` batches
+/// (both at the same parameters; the libtorch gradients drive the update). Returns true
+/// when every gradient agrees within 1e-5 relative (max |a - b| / max |b|).
+bool check_gradients(const Options& o, const Params& init, const Split& train_set) {
+  Params p;
+  for (const auto& t : init) p.push_back(t.clone());
+  Stepper compiled(Mode::Compiled), reference(Mode::Libtorch);
+  Sgd sgd{o.lr, o.momentum, {}};
+  const char* names[] = {"W1", "b1", "W2", "b2", "W3", "b3"};
+  const int64_t n = train_set.images.size(0);
+  bool ok = true;
+  for (int s = 0; s < o.check_gradients; ++s) {
+    if ((s + 1) * o.batch_size > n) break;
+    auto x = train_set.images.narrow(0, s * o.batch_size, o.batch_size);
+    auto y = train_set.labels.narrow(0, s * o.batch_size, o.batch_size);
+    Params gc, gr;
+    double lc = compiled.step(x, y, p, gc);
+    double lr = reference.step(x, y, p, gr);
+    double lrel = std::abs(lc - lr) / std::max(std::abs(lr), 1e-30);
+    std::printf("step %d: loss compiled %.8f libtorch %.8f (rel %.2e)%s\n", s, lc, lr, lrel,
+                lrel <= 1e-5 ? "" : "  MISMATCH");
+    ok = ok && lrel <= 1e-5;
+    for (std::size_t i = 0; i < gr.size(); ++i) {
+      double scale = gr[i].abs().max().item<double>();
+      double err = (gc[i] - gr[i]).abs().max().item<double>();
+      double rel = err / std::max(scale, 1e-30);
+      bool good = gc[i].sizes() == gr[i].sizes() && rel <= 1e-5;
+      std::printf("  d%-2s max|diff| %.3e  max|grad| %.3e  rel %.2e%s\n", names[i], err, scale,
+                  rel, good ? "" : "  MISMATCH");
+      ok = ok && good;
+    }
+    sgd.apply(p, gr);
+  }
+  std::printf("gradient check %s\n", ok ? "passed" : "FAILED");
+  return ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{
+      "Trains an MLP (784-256-128-10, ReLU, cross-entropy, SGD with momentum) on Fashion-MNIST.\n"
+      "The training step (forward, loss, backward) runs through stagejit::compile() by\n"
+      "default, through stagejit's eager autograd with --eager, or libtorch's autograd with\n"
+      "--libtorch; all start from the same weights and see the same batches.\n"
+      "Data: Debian package dataset-fashion-mnist."};
+  app.add_option("--epochs", o.epochs, "Passes over the training set")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--batch-size", o.batch_size, "Images per step (the last partial batch of an "
+                 "epoch is dropped)")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--lr", o.lr, "SGD learning rate")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--momentum", o.momentum, "SGD momentum (PyTorch's convention)")
+      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+  app.add_option("--threads", o.threads, "ATen intra-op threads (0: ATen's default)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--data-dir", o.data_dir, "Directory holding the four *-ubyte.gz IDX files")
+      ->capture_default_str();
+  app.add_option("--seed", o.seed, "Seeds the initial weights and the batch order")
+      ->capture_default_str();
+  app.add_option("--metrics", o.metrics,
+                 "Write per-epoch CSV: epoch,train_loss,test_accuracy,images_per_s,seconds "
+                 "(with --compare a leading mode column)");
+  app.add_flag("--print-graph", o.print_graph,
+               "Print the optimised IR of the compiled training step and exit");
+  app.add_option("--limit", o.limit, "Use only the first N training images (0: all)")
+      ->check(CLI::NonNegativeNumber);
+  auto* eager = app.add_flag("--eager", o.eager, "Run the step through stagejit's eager autograd");
+  auto* lt = app.add_flag("--libtorch", o.libtorch, "Run the step through libtorch's autograd");
+  auto* cmp = app.add_flag("--compare", o.compare,
+                           "Train compiled, eager and libtorch in turn and compare throughput");
+  eager->excludes(lt)->excludes(cmp);
+  lt->excludes(cmp);
+  app.add_option("--check-gradients", o.check_gradients,
+                 "Compare the compiled step's gradients with libtorch's on the first N batches "
+                 "(1e-5 relative), exit 1 on a mismatch")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--skip-if-missing", o.skip_missing,
+               "Exit 77 (a skipped test for Meson) instead of 1 when the data cannot be read");
+  CLI11_PARSE(app, argc, argv);
+
+  if (o.threads > 0) at::set_num_threads(o.threads);
+
+  Split train_set, test_set;
+  try {
+    train_set = load_split(o.data_dir, "train");
+    test_set = load_split(o.data_dir, "t10k");
+  } catch (const DatasetError& e) {
+    std::fprintf(stderr,
+                 "%s: %s\nThe Fashion-MNIST data comes from the Debian package %s "
+                 "(apt-get install %s, or scripts/setup); --data-dir selects another "
+                 "directory.\n",
+                 o.skip_missing ? "SKIP" : "error", e.what(), kPackage, kPackage);
+    return o.skip_missing ? kSkipExitCode : 1;
+  }
+  if (o.limit > 0 && o.limit < train_set.images.size(0)) {
+    train_set.images = train_set.images.narrow(0, 0, o.limit).contiguous();
+    train_set.labels = train_set.labels.narrow(0, 0, o.limit).contiguous();
+  }
+  if (o.batch_size > train_set.images.size(0)) {
+    std::fprintf(stderr, "error: --batch-size %lld exceeds the %lld training images\n",
+                 (long long)o.batch_size, (long long)train_set.images.size(0));
+    return 1;
+  }
+
+  try {
+    const Params init = init_params(o.seed);
+    if (o.print_graph) {
+      Stepper s(Mode::Compiled);
+      auto x = train_set.images.narrow(0, 0, o.batch_size);
+      auto y = train_set.labels.narrow(0, 0, o.batch_size);
+      std::cout << s.graph(x, y, init);
+      return 0;
+    }
+    if (o.check_gradients > 0) return check_gradients(o, init, train_set) ? 0 : 1;
+
+    std::printf("Fashion-MNIST: %lld training, %lld test images; MLP 784-256-128-10; "
+                "SGD lr %g momentum %g; batch %lld; %d ATen thread(s); seed %llu\n",
+                (long long)train_set.images.size(0), (long long)test_set.images.size(0), o.lr,
+                o.momentum, (long long)o.batch_size, at::get_num_threads(),
+                (unsigned long long)o.seed);
+    std::vector<Mode> modes;
+    if (o.compare)
+      modes = {Mode::Compiled, Mode::Eager, Mode::Libtorch};
+    else
+      modes = {o.eager ? Mode::Eager : o.libtorch ? Mode::Libtorch : Mode::Compiled};
+    std::vector<RunResult> runs;
+    for (Mode m : modes) runs.push_back(train(m, o, init, train_set, test_set));
+    print_summary(runs);
+    if (!o.metrics.empty()) write_metrics(o.metrics, runs);
+  } catch (const sj::Error& e) {
+    std::fprintf(stderr, "stagejit error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}
