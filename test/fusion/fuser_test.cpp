@@ -175,7 +175,7 @@ with fusion_group_1 = graph(%0 : Float(3, 5),
           outs = stagejit::fusion::run_fused(*fg->subgraph, args, {nullptr, "lstm group", &reason});
           CHECK(reason == "");
         } else {
-          const auto& op = n->get<ir::Op>();
+          const auto& op = *n->get_if<ir::Op>();
           outs = stagejit::ops::run_forward(stagejit::ops::get(op.name), args, stagejit::fusion::to_core_attributes(op));
         }
         for (size_t i = 0; i < outs.size(); ++i) env[n->output(i)] = outs[i];
