@@ -24,7 +24,9 @@
 #include <stagejit/ir/ir.hpp>
 #include <stagejit/passes/cse.hpp>
 #include <stagejit/passes/dce.hpp>
+#include <stagejit/passes/graph_fuser.hpp>
 #include <stagejit/fusion/kernel_spec.hpp>
 #include <stagejit/fusion/tensor_args.hpp>
 #include <stagejit/fusion/cpu_backend.hpp>
 #include <stagejit/fusion/cuda_backend.hpp>
+#include <stagejit/fusion/codegen.hpp>

@@ -1,0 +1,326 @@
+#pragma once
+/// \file
+/// The fusion code generator for the CPU backend and the runner of a FusionGroup
+/// (SPEC 5.2, restated for the CPU launch ABI of kernel_spec.hpp).
+///
+/// `generate` turns a FusionGroup subgraph (elementwise Op nodes, see
+/// passes/graph_fuser.hpp) plus the tensors it will run on into one C++ kernel body over
+/// `sjk::Vec<T>` (ATen `Vectorized<T>`): every output element is computed from the input
+/// elements in the group's compute type `T`. Expressions come from the op table's
+/// `fusion_template`, finalised or overridden for ATen's exact CPU semantics (see
+/// detail/codegen_ops.hpp). Boolean results (comparisons, `logical_and`) are kept as 1/0
+/// in `T` and stored as `bool`.
+///
+/// Compute type: ATen's type promotion of the non-bool inputs (`at::result_type`), which
+/// must be `float` or `double`; every non-bool input must already have that dtype (a group
+/// whose op-by-op promotion could differ from one promoted type is refused).
+/// Limits (FusionError, so `run_fused` falls back to running the nodes one by one):
+/// other dtypes, `to`, ops without a Vectorized form, inputs on a non-CPU device, and
+/// groups whose outputs do not all have the iteration shape (the broadcast of all inputs).
+
+#include <stagejit/core/error.hpp>
+#include <stagejit/fusion/cpu_backend.hpp>
+#include <stagejit/fusion/detail/codegen_ops.hpp>
+#include <stagejit/fusion/kernel_spec.hpp>
+#include <stagejit/fusion/tensor_args.hpp>
+#include <stagejit/ir/graph.hpp>
+#include <stagejit/ir/printer.hpp>
+#include <stagejit/ops/op_def.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
+
+#include <cstdint>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace stagejit::fusion {
+
+/// The compute dtype of a group run on `inputs` (file comment). Throws FusionError when
+/// there is no non-bool input, when the promoted type is not float/double, or when a
+/// non-bool input has another dtype.
+inline at::ScalarType compute_type(const std::vector<at::Tensor>& inputs) {
+  std::vector<at::Tensor> numeric;
+  for (const auto& t : inputs)
+    if (t.scalar_type() != at::kBool) numeric.push_back(t);
+  if (numeric.empty()) throw FusionError("fusion: a group needs at least one float or double input");
+  at::ScalarType t = numeric[0].scalar_type();
+  for (size_t i = 1; i < numeric.size(); ++i) t = at::promote_types(t, numeric[i].scalar_type());
+  if (t != at::kFloat && t != at::kDouble)
+    throw FusionError(std::string("fusion: compute type ") + c10::toString(t) + " is not float or double");
+  for (const auto& x : numeric)
+    if (x.scalar_type() != t)
+      throw FusionError(std::string("fusion: inputs of dtypes ") + c10::toString(x.scalar_type()) + " and " +
+                        c10::toString(t) + " are mixed; the group runs op by op");
+  return t;
+}
+
+/// The iteration shape of a group run on `inputs`: their broadcast (NumPy rules).
+/// Throws ShapeError when they do not broadcast.
+inline std::vector<int64_t> broadcast_shape(const std::vector<at::Tensor>& inputs) {
+  std::vector<int64_t> shape;
+  try {
+    for (const auto& t : inputs) shape = at::infer_size(shape, t.sizes());
+  } catch (const c10::Error& e) {
+    throw ShapeError(std::string("fusion: group inputs do not broadcast: ") + e.what_without_backtrace());
+  }
+  return shape;
+}
+
+namespace detail {
+
+inline const char* storage_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float";
+    case at::kDouble: return "double";
+    case at::kBool: return "bool";
+    default: throw FusionError(std::string("fusion: dtype ") + c10::toString(t) + " cannot be a kernel argument");
+  }
+}
+
+/// Per subgraph value: whether it is boolean. Fills `body` with the kernel lambda's
+/// statements when `body` is not null.
+inline std::vector<bool> output_bools(const ir::Graph& g, const std::vector<at::Tensor>& inputs, std::string* body) {
+  STAGEJIT_CHECK_AS(FusionError, inputs.size() == g.inputs().size(), "fusion: the group has ", g.inputs().size(),
+                    " inputs but was given ", inputs.size(), " tensors");
+  std::unordered_map<const ir::Value*, std::string> var;
+  std::unordered_map<const ir::Value*, bool> is_bool;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const ir::Value* v = g.inputs()[i];
+    var[v] = "x" + std::to_string(i);
+    is_bool[v] = inputs[i].scalar_type() == at::kBool;
+    if (body) *body += "        const V x" + std::to_string(i) + " = in[" + std::to_string(i) + "];\n";
+  }
+  size_t k = 0;
+  for (const ir::Node* n : g.nodes()) {
+    std::vector<std::string> operands;
+    std::vector<bool> operand_bool;
+    for (const ir::Value* v : n->inputs()) {
+      STAGEJIT_CHECK_AS(FusionError, var.count(v), "fusion: node #", n->id(), " reads a value defined later");
+      operands.push_back(var.at(v));
+      operand_bool.push_back(is_bool.at(v));
+    }
+    STAGEJIT_CHECK_AS(FusionError, n->outputs().size() == 1, "fusion: node #", n->id(), " (", n->describe(),
+                      ") has ", n->outputs().size(), " outputs; fused nodes have one");
+    bool result_bool = false;
+    const std::string expr = op_expression(*n, operands, operand_bool, result_bool);
+    const std::string name = "t" + std::to_string(k++);
+    if (body) *body += "        const V " + name + " = " + expr + ";\n";
+    var[n->output()] = name;
+    is_bool[n->output()] = result_bool;
+  }
+  std::vector<bool> out;
+  for (size_t i = 0; i < g.outputs().size(); ++i) {
+    const ir::Value* v = g.outputs()[i];
+    if (body) *body += "        out[" + std::to_string(i) + "] = " + var.at(v) + ";\n";
+    out.push_back(is_bool.at(v));
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/// The dtypes of the outputs of `subgraph` run on `inputs`: bool for boolean results,
+/// else the compute type. Same errors as `generate`.
+inline std::vector<at::ScalarType> output_dtypes(const ir::Graph& subgraph, const std::vector<at::Tensor>& inputs) {
+  const at::ScalarType t = compute_type(inputs);
+  std::vector<at::ScalarType> out;
+  for (bool b : detail::output_bools(subgraph, inputs, nullptr)) out.push_back(b ? at::kBool : t);
+  return out;
+}
+
+/// Generates the CPU kernel computing `subgraph`'s outputs from `inputs` (tensors in the
+/// order of the subgraph's inputs; only their dtypes, ranks and contiguity matter) over
+/// their broadcast shape. The entry point is `stagejit_fused`; the key has one
+/// `TensorDesc` per input (as given) and per output (the iteration shape's rank,
+/// contiguous). Throws FusionError for what the file comment lists as unsupported, and
+/// ShapeError when the inputs do not broadcast.
+inline KernelSource generate(const ir::Graph& subgraph, const std::vector<at::Tensor>& inputs) {
+  const at::ScalarType t = compute_type(inputs);
+  const std::string tn = detail::storage_name(t);
+  std::string body;
+  const std::vector<bool> bools = detail::output_bools(subgraph, inputs, &body);
+  STAGEJIT_CHECK_AS(FusionError, !bools.empty(), "fusion: a group without outputs has nothing to compute");
+  const auto shape = broadcast_shape(inputs);
+  KernelSource ks;
+  ks.entry = "stagejit_fused";
+  ks.key.device = DeviceKind::CPU;
+  std::string in_types, out_types;
+  for (const auto& x : inputs) {
+    ks.key.inputs.push_back(TensorDesc{x.scalar_type(), x.dim(), x.is_contiguous()});
+    in_types += std::string(in_types.empty() ? "" : ", ") + detail::storage_name(x.scalar_type());
+  }
+  for (bool b : bools) {
+    const at::ScalarType ot = b ? at::kBool : t;
+    ks.key.outputs.push_back(TensorDesc{ot, static_cast<int64_t>(shape.size()), true});
+    out_types += std::string(out_types.empty() ? "" : ", ") + detail::storage_name(ot);
+  }
+  ks.source = std::string(detail::kernel_helpers) + "extern \"C\" void " + ks.entry +
+              "(int64_t begin, int64_t end, int32_t rank, const stagejit_TensorArg* args) {\n"
+              "  using T = " + tn + ";\n"
+              "  using V = sjk::Vec<T>;\n"
+              "  sjk::elementwise<T, sjk::types<" + in_types + ">, sjk::types<" + out_types + ">>(\n"
+              "      begin, end, rank, args, [](const V* in, V* out) {\n" + body + "      });\n}\n";
+  return ks;
+}
+
+/// Converts IR attributes to the op table's core `Attributes` (numbers, strings, lists).
+/// Throws FusionError for tensor or graph attributes.
+inline Attributes to_core_attributes(const ir::Op& op) {
+  Attributes out;
+  for (const auto& [k, v] : op.attributes) {
+    std::visit(
+        [&, &key = k](const auto& x) {
+          using X = std::decay_t<decltype(x)>;
+          if constexpr (std::is_same_v<X, double> || std::is_same_v<X, int64_t> || std::is_same_v<X, std::string> ||
+                        std::is_same_v<X, std::vector<int64_t>> || std::is_same_v<X, std::vector<double>>)
+            out.emplace_back(key, Scalar(x));
+          else
+            throw FusionError("fusion: attribute '" + key + "' of op '" + op.name + "' is not a number or string");
+        },
+        v);
+  }
+  return out;
+}
+
+/// Runs `subgraph`'s nodes one by one with `ops::run_forward` (ATen eager): the fallback
+/// of `run_fused` and the oracle of its tests. Throws what `run_forward` throws.
+inline std::vector<at::Tensor> run_unfused(const ir::Graph& subgraph, const std::vector<at::Tensor>& inputs) {
+  STAGEJIT_CHECK_AS(FusionError, inputs.size() == subgraph.inputs().size(), "fusion: the group has ",
+                    subgraph.inputs().size(), " inputs but was given ", inputs.size(), " tensors");
+  std::unordered_map<const ir::Value*, at::Tensor> env;
+  for (size_t i = 0; i < inputs.size(); ++i) env[subgraph.inputs()[i]] = inputs[i];
+  for (const ir::Node* n : subgraph.nodes()) {
+    const auto* op = n->get_if<ir::Op>();
+    STAGEJIT_CHECK_AS(FusionError, op, "fusion: node #", n->id(), " (", n->describe(), ") is not an op");
+    std::vector<at::Tensor> args;
+    for (const ir::Value* v : n->inputs()) args.push_back(env.at(v));
+    auto outs = ops::run_forward(ops::get(op->name), args, to_core_attributes(*op));
+    STAGEJIT_CHECK_AS(FusionError, outs.size() == n->outputs().size(), "fusion: op '", op->name, "' returned ",
+                      outs.size(), " tensors for ", n->outputs().size(), " outputs");
+    for (size_t i = 0; i < outs.size(); ++i) env[n->output(i)] = outs[i];
+  }
+  std::vector<at::Tensor> out;
+  for (const ir::Value* v : subgraph.outputs()) out.push_back(env.at(v));
+  return out;
+}
+
+/// Options of `run_fused`.
+struct RunFusedOptions {
+  /// The backend compiling kernels; null: `default_cpu_backend()`.
+  CpuBackend* backend = nullptr;
+  /// The group's name in the fallback warning (e.g. "fusion_group_0 of stage 1").
+  std::string group_name;
+  /// When not null, set to "" when the kernel ran, else to why the nodes ran one by one.
+  std::string* fallback_reason = nullptr;
+};
+
+namespace detail {
+
+/// Broadcast shape of every subgraph value, from the input sizes.
+inline bool outputs_have_shape(const ir::Graph& g, const std::vector<at::Tensor>& inputs,
+                               const std::vector<int64_t>& shape) {
+  std::unordered_map<const ir::Value*, std::vector<int64_t>> sizes;
+  for (size_t i = 0; i < inputs.size(); ++i) sizes[g.inputs()[i]] = inputs[i].sizes().vec();
+  for (const ir::Node* n : g.nodes()) {
+    std::vector<int64_t> s;
+    for (const ir::Value* v : n->inputs()) s = at::infer_size(s, sizes.at(v));
+    for (const ir::Value* o : n->outputs()) sizes[o] = s;
+  }
+  for (const ir::Value* v : g.outputs())
+    if (sizes.at(v) != shape) return false;
+  return true;
+}
+
+struct KernelCache {
+  std::mutex mutex;
+  std::map<std::string, std::shared_ptr<const CpuKernel>> kernels;
+  std::map<std::string, std::string> failures;  // cache key -> FusionError message
+  std::set<std::string> warned;
+};
+
+inline KernelCache& kernel_cache() {
+  static KernelCache cache;
+  return cache;
+}
+
+inline void warn_fallback(const std::string& group, const std::string& text, const std::string& reason) {
+  auto& cache = kernel_cache();
+  {
+    std::lock_guard<std::mutex> lock(cache.mutex);
+    if (!cache.warned.insert(text).second) return;
+  }
+  std::cerr << "stagejit: warning: " << (group.empty() ? std::string("a fusion group") : group)
+            << " runs op by op (no fused kernel): " << reason << "\n";
+}
+
+}  // namespace detail
+
+/// Runs a FusionGroup subgraph on `inputs` (one tensor per subgraph input, broadcastable
+/// to one shape): allocates the outputs (the broadcast shape, contiguous; dtypes from
+/// `output_dtypes`), and runs the generated kernel from the CPU backend (kernels cached in
+/// the process per backend, key and subgraph text). When no kernel can be used (anything
+/// `generate` refuses, or FusionError from the backend such as a missing compiler), runs
+/// the nodes one by one with `run_unfused` instead and prints a one-time warning per
+/// group on stderr. Throws ShapeError when the inputs do not broadcast, and what
+/// `run_unfused` throws.
+inline std::vector<at::Tensor> run_fused(const ir::Graph& subgraph, const std::vector<at::Tensor>& inputs,
+                                         const RunFusedOptions& options = {}) {
+  STAGEJIT_CHECK_AS(FusionError, inputs.size() == subgraph.inputs().size(), "fusion: the group has ",
+                    subgraph.inputs().size(), " inputs but was given ", inputs.size(), " tensors");
+  const auto shape = broadcast_shape(inputs);
+  const std::string text = ir::to_string(subgraph);
+  auto fall_back = [&](const std::string& reason) {
+    if (options.fallback_reason) *options.fallback_reason = reason;
+    detail::warn_fallback(options.group_name, text, reason);
+    return run_unfused(subgraph, inputs);
+  };
+  for (const auto& x : inputs)
+    if (!x.defined() || !x.device().is_cpu()) return fall_back("fused kernels run on defined CPU tensors only");
+  if (!detail::outputs_have_shape(subgraph, inputs, shape))
+    return fall_back("its outputs do not all have the broadcast shape of its inputs");
+  CpuBackend& backend = options.backend ? *options.backend : default_cpu_backend();
+  std::vector<at::Tensor> outputs;
+  std::shared_ptr<const CpuKernel> kernel;
+  try {
+    KernelSource source = generate(subgraph, inputs);
+    for (const TensorDesc& d : source.key.outputs) outputs.push_back(at::empty(shape, inputs[0].options().dtype(d.dtype)));
+    if (at::IntArrayRef(shape).size() == 0 || c10::multiply_integers(shape) > 0) {
+      auto& cache = detail::kernel_cache();
+      const std::string key = std::to_string(reinterpret_cast<uintptr_t>(&backend)) + "\n" + source.key.to_string() + "\n" + text;
+      {
+        std::lock_guard<std::mutex> lock(cache.mutex);
+        if (auto it = cache.kernels.find(key); it != cache.kernels.end()) kernel = it->second;
+        else if (auto f = cache.failures.find(key); f != cache.failures.end()) throw FusionError(f->second);
+      }
+      if (!kernel) {
+        try {
+          kernel = backend.get(source);
+        } catch (const FusionError& e) {
+          std::lock_guard<std::mutex> lock(cache.mutex);
+          cache.failures.emplace(key, e.what());
+          throw;
+        }
+        std::lock_guard<std::mutex> lock(cache.mutex);
+        cache.kernels.emplace(key, kernel);
+      }
+    }
+  } catch (const FusionError& e) {
+    return fall_back(e.what());
+  }
+  if (kernel) {
+    std::vector<at::Tensor> ins(inputs.begin(), inputs.end());
+    PackedArgs args = pack_tensor_args(shape, ins, outputs);
+    kernel->run(args);
+  }
+  if (options.fallback_reason) options.fallback_reason->clear();
+  return outputs;
+}
+
+}  // namespace stagejit::fusion

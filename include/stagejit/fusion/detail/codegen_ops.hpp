@@ -1,0 +1,217 @@
+#pragma once
+/// \file
+/// Internals of the fusion code generator: per-op C++ expressions over `sjk::Vec<T>`
+/// (ATen `Vectorized<T>`), built from the op table's `fusion_template` (finalised: operands
+/// and attributes substituted, numeric literals turned into `V(T(x))`, math functions
+/// mapped to Vectorized members) or overridden where ATen's CPU kernels differ from the
+/// template's scalar C form (fmadd for add/sub/rsub, NaN-propagating clamp/relu/maximum/
+/// minimum, pow's special exponents, comparisons yielding 1/0, blends for where/masked_fill).
+
+#include <stagejit/core/error.hpp>
+#include <stagejit/ir/graph.hpp>
+#include <stagejit/ops/op_def.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <optional>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace stagejit::fusion::detail {
+
+/// Helpers emitted before each generated kernel (global namespace, after the prelude).
+inline constexpr std::string_view kernel_helpers = R"HELPERS(#include <limits>
+template <class T>
+inline at::vec::Vectorized<T> operator-(const at::vec::Vectorized<T>& a) { return a.neg(); }
+namespace sjf {
+template <class X> inline X exp(const X& a) { return a.exp(); }
+template <class X> inline X log(const X& a) { return a.log(); }
+template <class X> inline X tanh(const X& a) { return a.tanh(); }
+template <class X> inline X sqrt(const X& a) { return a.sqrt(); }
+template <class X> inline X sin(const X& a) { return a.sin(); }
+template <class X> inline X cos(const X& a) { return a.cos(); }
+template <class X> inline X fabs(const X& a) { return a.abs(); }
+template <class X> inline X pow(const X& a, const X& b) { return a.pow(b); }
+/// ATen's sign kernel: (0 < a) - (a < 0), 0 for NaN.
+template <class X> inline X sign(const X& a) {
+  const X zero(0), one(1);
+  return X::blendv(zero, one, zero < a) - X::blendv(zero, one, a < zero);
+}
+}  // namespace sjf
+)HELPERS";
+
+/// `V(T(x))` for a double, with NaN and infinities spelled through numeric_limits.
+inline std::string literal(double x) {
+  if (std::isnan(x)) return "V(std::numeric_limits<T>::quiet_NaN())";
+  if (std::isinf(x)) return x > 0 ? "V(std::numeric_limits<T>::infinity())" : "V(-std::numeric_limits<T>::infinity())";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", x);
+  return std::string("V(T(") + buf + "))";
+}
+
+/// Attribute `key` of `op` as a double (int attributes converted), if present.
+inline std::optional<double> number_attribute(const ir::Op& op, std::string_view key) {
+  if (const ir::AttributeValue* v = op.attribute(key)) {
+    if (auto d = ir::attribute_as<double>(*v)) return *d;
+    throw FusionError("fusion: attribute '" + std::string(key) + "' of op '" + op.name +
+                      "' must be a number, got kind '" + std::string(ir::attribute_kind(*v)) + "'");
+  }
+  return std::nullopt;
+}
+
+/// Fills an op table template: `$k` -> operands[k], `$name` -> the attribute as a literal,
+/// numbers -> literals, `exp(`/`log(`/... -> `sjf::` helpers. Throws FusionError for a
+/// function or ternary the Vectorized form cannot express.
+inline std::string finalise_template(std::string_view tpl, const ir::Op& op, const std::vector<std::string>& operands) {
+  std::string out;
+  size_t i = 0;
+  auto fail = [&](const std::string& why) {
+    throw FusionError("fusion: cannot finalise the template '" + std::string(tpl) + "' of op '" + op.name + "': " + why);
+  };
+  while (i < tpl.size()) {
+    const char c = tpl[i];
+    if (c == '$') {
+      size_t j = i + 1;
+      while (j < tpl.size() && (std::isalnum(static_cast<unsigned char>(tpl[j])) || tpl[j] == '_')) ++j;
+      const std::string ref(tpl.substr(i + 1, j - i - 1));
+      if (!ref.empty() && std::isdigit(static_cast<unsigned char>(ref[0]))) {
+        const size_t k = std::stoul(ref);
+        if (k >= operands.size()) fail("operand $" + ref + " missing");
+        out += operands[k];
+      } else {
+        auto v = number_attribute(op, ref);
+        if (!v) fail("attribute '" + ref + "' missing");
+        out += literal(*v);
+      }
+      i = j;
+    } else if (std::isdigit(static_cast<unsigned char>(c)) || (c == '.' && i + 1 < tpl.size() && std::isdigit(static_cast<unsigned char>(tpl[i + 1])))) {
+      size_t j = i;
+      while (j < tpl.size() && (std::isalnum(static_cast<unsigned char>(tpl[j])) || tpl[j] == '.')) ++j;
+      out += literal(std::stod(std::string(tpl.substr(i, j - i))));
+      i = j;
+    } else if (std::isalpha(static_cast<unsigned char>(c)) || c == '_') {
+      size_t j = i;
+      while (j < tpl.size() && (std::isalnum(static_cast<unsigned char>(tpl[j])) || tpl[j] == '_')) ++j;
+      const std::string name(tpl.substr(i, j - i));
+      static const std::vector<std::string_view> known = {"exp", "log", "tanh", "sqrt", "sin", "cos", "fabs", "pow"};
+      if (std::find(known.begin(), known.end(), name) == known.end()) fail("unknown function '" + name + "'");
+      out += "sjf::" + name;
+      i = j;
+    } else if (c == '?' || c == '<' || c == '>' || c == '=' || c == '!' || c == '&' || c == '|') {
+      fail("comparisons and conditionals need an override");
+    } else {
+      out += c;
+      ++i;
+    }
+  }
+  return out;
+}
+
+/// The expression computing `node` (an elementwise Op) from `operands` (C++ expressions
+/// of type V), and whether its result is boolean (stored as 1/0 in T). `operand_bool`
+/// tells which operands are boolean. Throws FusionError for ops it cannot express.
+inline std::string op_expression(const ir::Node& node, const std::vector<std::string>& operands,
+                                 const std::vector<bool>& operand_bool, bool& result_bool) {
+  const auto* op = node.get_if<ir::Op>();
+  if (!op) throw FusionError("fusion: node #" + std::to_string(node.id()) + " (" + node.describe() + ") is not an op");
+  const OpDef* def = ops::find(op->name);
+  if (!def || !def->elementwise)
+    throw FusionError("fusion: op '" + op->name + "' is not elementwise and cannot be fused");
+  const std::string& name = op->name;
+  std::vector<std::string> a = operands;
+  auto need = [&](size_t n) {
+    if (a.size() != n)
+      throw FusionError("fusion: op '" + name + "' expects " + std::to_string(n) + " operands here, got " +
+                        std::to_string(a.size()));
+  };
+  // Scalar forms: the attribute `other` (or `exponent`) is the second operand.
+  auto scalar_second = [&](std::string_view key) {
+    if (a.size() == 1) {
+      auto v = number_attribute(*op, key);
+      if (!v) throw FusionError("fusion: op '" + name + "' with one input needs attribute '" + std::string(key) + "'");
+      a.push_back(literal(*v));
+    }
+  };
+  result_bool = false;
+  if (name == "add" || name == "sub" || name == "rsub") {
+    scalar_second("other");
+    need(2);
+    double alpha = number_attribute(*op, "alpha").value_or(1.0);
+    if (name != "add") alpha = -alpha;
+    // ATen's vectorised add is fmadd(other, alpha, self); sub is add with -alpha;
+    // rsub(self, other) is sub(other, self).
+    if (name == "rsub") return "at::vec::fmadd(" + a[0] + ", " + literal(alpha) + ", " + a[1] + ")";
+    return "at::vec::fmadd(" + a[1] + ", " + literal(alpha) + ", " + a[0] + ")";
+  }
+  if (name == "mul" || name == "div") scalar_second("other");
+  if (name == "pow") {
+    if (a.size() == 1) {
+      // ATen's pow_tensor_scalar special cases.
+      const double e = number_attribute(*op, "exponent").value_or(1.0);
+      const std::string& x = a[0];
+      if (e == 0.5) return x + ".sqrt()";
+      if (e == 2) return "(" + x + " * " + x + ")";
+      if (e == 3) return "(" + x + " * " + x + " * " + x + ")";
+      if (e == -0.5) return x + ".rsqrt()";
+      if (e == -1) return x + ".reciprocal()";
+      if (e == -2) return "(" + x + " * " + x + ").reciprocal()";
+      // Known gap: ATen's scalar tail loop uses the double exponent, its vector loop T(e);
+      // we use T(e) everywhere, so float results can differ by a few ulp from eager for
+      // exponents not representable in float.
+      return x + ".pow(" + literal(e) + ")";
+    }
+    need(2);
+    return a[0] + ".pow(" + a[1] + ")";
+  }
+  if (name == "relu") {
+    need(1);
+    return "at::vec::clamp_min(" + a[0] + ", " + literal(0) + ")";
+  }
+  if (name == "clamp") {
+    need(1);
+    auto lo = number_attribute(*op, "min"), hi = number_attribute(*op, "max");
+    if (lo && hi) return "at::vec::clamp(" + a[0] + ", " + literal(*lo) + ", " + literal(*hi) + ")";
+    if (lo) return "at::vec::clamp_min(" + a[0] + ", " + literal(*lo) + ")";
+    if (hi) return "at::vec::clamp_max(" + a[0] + ", " + literal(*hi) + ")";
+    return a[0];
+  }
+  if (name == "maximum" || name == "minimum") {
+    need(2);
+    return "at::vec::" + name + "(" + a[0] + ", " + a[1] + ")";
+  }
+  if (name == "sign") {
+    need(1);
+    return "sjf::sign(" + a[0] + ")";
+  }
+  if (name == "eq" || name == "ne" || name == "lt" || name == "le" || name == "gt" || name == "ge") {
+    scalar_second("other");
+    need(2);
+    result_bool = true;
+    return a[0] + "." + name + "(" + a[1] + ")";
+  }
+  if (name == "logical_and") {
+    need(2);
+    result_bool = true;
+    return "(" + a[0] + ".ne(" + literal(0) + ") * " + a[1] + ".ne(" + literal(0) + "))";
+  }
+  if (name == "where") {
+    need(3);
+    result_bool = operand_bool[1] && operand_bool[2];
+    return "V::blendv(" + a[2] + ", " + a[1] + ", " + a[0] + " != " + literal(0) + ")";
+  }
+  if (name == "masked_fill") {
+    need(2);
+    auto v = number_attribute(*op, "value");
+    if (!v) throw FusionError("fusion: op 'masked_fill' needs attribute 'value'");
+    result_bool = operand_bool[0];
+    return "V::blendv(" + a[0] + ", " + literal(*v) + ", " + a[1] + " != " + literal(0) + ")";
+  }
+  if (name == "to") throw FusionError("fusion: op 'to' (a dtype cast) is not fused");
+  if (def->fusion_template.empty()) throw FusionError("fusion: op '" + name + "' has no fusion template");
+  return finalise_template(def->fusion_template, *op, a);
+}
+
+}  // namespace stagejit::fusion::detail

@@ -1,0 +1,250 @@
+#pragma once
+/// \file
+/// `passes::fuse`: the graph fuser (SPEC 5.1, restated for our multi-output Value IR).
+///
+/// Groups maximal connected sets of fusable nodes of ONE stage into `ir::FusionGroup`
+/// nodes whose subgraph holds copies of the grouped nodes (same Op kinds and attributes,
+/// same types). A fusable node is an `Op` whose table entry is `elementwise`, with one
+/// output, no side effects, and not `to` (a dtype cast would break the single compute
+/// type of a kernel, see fusion/codegen.hpp).
+///
+/// Algorithm: consumers are visited from the last node to the first; a group grows by
+/// absorbing producers of its members when the producer is fusable, of the same stage,
+/// not yet in another group, and every use of its output outside the group comes after
+/// the group's anchor (its last node, where the FusionGroup node is placed). Values used
+/// outside the group (by another node, a later stage or a graph output) become group
+/// outputs, named as the values they replace. Shape rule: a value that becomes a group
+/// output must have the anchor's sizes when both types are known, so all outputs of one
+/// group share the iteration shape (values used only inside may be smaller and are
+/// broadcast). Groups of one node are left unfused.
+///
+/// Chunk distribution (before grouping, to a fixpoint): `chunk(op(x, y, ...))` where `op`
+/// is fusable, its output is used only by the chunk, and every chunk output is used only
+/// by fusable nodes of the chunk's stage, becomes `op(chunk(x)_k, chunk(y)_k, ...)` per
+/// chunk; an operand broadcast along the chunked dimension (missing or size 1) is used
+/// whole by every chunk. Needs the sizes of `op`'s output and operands (TensorType);
+/// skipped otherwise. This puts an LSTM cell's gate math into one group per stage.
+
+#include <stagejit/ir/graph.hpp>
+#include <stagejit/ops/op_def.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace stagejit::passes {
+
+namespace detail {
+
+/// True for nodes the fuser may put into a FusionGroup (see the file comment).
+inline bool is_fusable(const ir::Node& n) {
+  const auto* op = n.get_if<ir::Op>();
+  if (!op || n.outputs().size() != 1 || n.has_side_effects() || op->name == "to") return false;
+  if (n.output(0)->is_handle()) return false;
+  const OpDef* def = ops::find(op->name);
+  return def && def->elementwise;
+}
+
+inline int64_t int_attribute(const ir::Op& op, std::string_view key, int64_t fallback) {
+  if (const ir::AttributeValue* v = op.attribute(key))
+    if (auto i = std::get_if<int64_t>(v)) return *i;
+  return fallback;
+}
+
+/// Chunk distribution for one `chunk` node (file comment). Returns true when rewritten.
+inline bool distribute_chunk(ir::Graph& graph, ir::Node* chunk) {
+  const auto* cop = chunk->get_if<ir::Op>();
+  if (!cop || cop->name != "chunk" || chunk->inputs().size() != 1) return false;
+  ir::Value* p = chunk->input(0);
+  ir::Node* producer = p->node();
+  if (!is_fusable(*producer) || producer->stage() != chunk->stage() || p->uses().size() != 1) return false;
+  for (ir::Value* out : chunk->outputs())
+    for (const ir::Use& u : out->uses())
+      if (!is_fusable(*u.user) || u.user->stage() != chunk->stage()) return false;
+  const ir::TensorType* pt = p->tensor_type();
+  if (!pt || pt->sizes.empty()) return false;
+  const int64_t rank = static_cast<int64_t>(pt->sizes.size());
+  int64_t dim = int_attribute(*cop, "dim", 0);
+  if (dim < 0) dim += rank;
+  if (dim < 0 || dim >= rank) return false;
+  std::vector<const ir::TensorType*> chunk_types;
+  for (ir::Value* out : chunk->outputs()) {
+    const ir::TensorType* t = out->tensor_type();
+    if (!t || static_cast<int64_t>(t->sizes.size()) != rank) return false;
+    chunk_types.push_back(t);
+  }
+  // For each operand: the dimension to chunk it along, or -1 when it is broadcast along `dim`.
+  std::vector<int64_t> operand_dim;
+  for (ir::Value* x : producer->inputs()) {
+    const ir::TensorType* xt = x->tensor_type();
+    if (!xt) return false;
+    const int64_t xd = dim - (rank - static_cast<int64_t>(xt->sizes.size()));
+    if (xd < 0 || (xt->sizes[xd] == 1 && pt->sizes[dim] != 1)) operand_dim.push_back(-1);
+    else if (xt->sizes[xd] == pt->sizes[dim]) operand_dim.push_back(xd);
+    else return false;
+  }
+  const size_t saved_stage = graph.current_stage();
+  graph.set_current_stage(chunk->stage());
+  const size_t k_count = chunk->outputs().size();
+  std::vector<std::vector<ir::Value*>> pieces(producer->inputs().size());
+  for (size_t i = 0; i < producer->inputs().size(); ++i) {
+    ir::Value* x = producer->input(i);
+    if (operand_dim[i] < 0) {
+      pieces[i].assign(k_count, x);
+      continue;
+    }
+    const ir::TensorType* xt = x->tensor_type();
+    std::vector<ir::Type> types;
+    for (size_t k = 0; k < k_count; ++k) {
+      ir::TensorType t = *xt;
+      t.sizes[operand_dim[i]] = chunk_types[k]->sizes[dim];
+      types.emplace_back(std::move(t));
+    }
+    ir::Op split = *cop;
+    split.attributes.clear();
+    split.attributes.emplace_back("chunks", int_attribute(*cop, "chunks", 1));
+    split.attributes.emplace_back("dim", operand_dim[i]);
+    ir::Node* c = graph.create(std::move(split), {x}, types);
+    c->insert_before(chunk);
+    c->set_location(chunk->location());
+    pieces[i] = c->outputs();
+  }
+  for (size_t k = 0; k < k_count; ++k) {
+    std::vector<ir::Value*> args;
+    for (auto& piece : pieces) args.push_back(piece[k]);
+    ir::Type t = ir::TensorType::contiguous(pt->dtype, chunk_types[k]->sizes, pt->device);
+    ir::Node* per_chunk = graph.create(producer->kind(), args, {t});
+    per_chunk->insert_before(chunk);
+    per_chunk->set_location(producer->location());
+    ir::Value* old = chunk->output(k);
+    std::string name = old->name();
+    old->replace_all_uses_with(per_chunk->output());
+    old->set_name("");
+    per_chunk->output()->set_name(name);
+  }
+  graph.set_current_stage(saved_stage);
+  chunk->destroy();
+  producer->destroy();
+  return true;
+}
+
+/// Same sizes, or unknown on either side.
+inline bool compatible_sizes(const ir::Value* a, const ir::Value* b) {
+  const ir::TensorType* ta = a->tensor_type();
+  const ir::TensorType* tb = b->tensor_type();
+  return !ta || !tb || ta->sizes == tb->sizes;
+}
+
+/// Replaces the listed `members` (in node order; the last is the anchor) by one
+/// FusionGroup node placed before the anchor. Returns the group node.
+inline ir::Node* make_group(ir::Graph& graph, const std::vector<ir::Node*>& members) {
+  std::unordered_set<const ir::Node*> in_group(members.begin(), members.end());
+  ir::Node* anchor = members.back();
+  auto sub = std::make_shared<ir::Graph>();
+  std::unordered_map<ir::Value*, ir::Value*> inner;  // outer value -> subgraph value
+  std::vector<ir::Value*> group_inputs;
+  std::vector<ir::Value*> escaping;  // member outputs used outside
+  for (ir::Node* m : members) {
+    for (ir::Value* v : m->inputs()) {
+      if (inner.count(v)) continue;
+      inner[v] = sub->add_input(v->type(), 0);
+      group_inputs.push_back(v);
+    }
+    std::vector<ir::Value*> args;
+    for (ir::Value* v : m->inputs()) args.push_back(inner.at(v));
+    ir::Node* c = sub->append(sub->create(m->kind(), args, {m->output()->type()}));
+    c->set_location(m->location());
+    inner[m->output()] = c->output();
+    bool outside = false;
+    for (const ir::Use& u : m->output()->uses()) outside = outside || !in_group.count(u.user);
+    if (outside) escaping.push_back(m->output());
+  }
+  for (ir::Value* v : escaping) sub->register_output(inner.at(v), 0);
+  std::vector<ir::Type> types;
+  for (ir::Value* v : escaping) types.push_back(v->type());
+  const size_t saved_stage = graph.current_stage();
+  graph.set_current_stage(anchor->stage());
+  ir::Node* group = graph.create(ir::FusionGroup{sub}, group_inputs, types);
+  graph.set_current_stage(saved_stage);
+  group->insert_before(anchor);
+  group->set_location(anchor->location());
+  for (size_t i = 0; i < escaping.size(); ++i) {
+    std::string name = escaping[i]->name();
+    escaping[i]->replace_all_uses_with(group->output(i));
+    escaping[i]->set_name("");
+    group->output(i)->set_name(name);
+  }
+  for (auto it = members.rbegin(); it != members.rend(); ++it) (*it)->destroy();
+  return group;
+}
+
+}  // namespace detail
+
+/// Fuses `graph` in place (see the file comment): distributes chunks, then replaces each
+/// maximal group of two or more fusable nodes of one stage by a FusionGroup node. Nodes
+/// inside existing FusionGroups are left alone. Returns the number of groups made.
+/// The result passes `ir::lint` when the input does. Throws `IrError` only for a graph
+/// that violates the IR's invariants.
+inline size_t fuse(ir::Graph& graph) {
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (ir::Node* n : graph.nodes())
+      if (detail::distribute_chunk(graph, n)) {
+        changed = true;
+        break;
+      }
+  }
+  const std::vector<ir::Node*> nodes = graph.nodes();
+  std::unordered_map<const ir::Node*, size_t> pos;
+  for (size_t i = 0; i < nodes.size(); ++i) pos[nodes[i]] = i;
+  auto position = [&](const ir::Node* n) {
+    auto it = pos.find(n);
+    return it == pos.end() ? nodes.size() : it->second;  // the Return node comes last
+  };
+  std::unordered_set<const ir::Node*> taken;
+  std::vector<std::vector<ir::Node*>> groups;
+  for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
+    ir::Node* anchor = *it;
+    if (taken.count(anchor) || !detail::is_fusable(*anchor)) continue;
+    std::vector<ir::Node*> members{anchor};
+    std::unordered_set<const ir::Node*> in_group{anchor};
+    const size_t anchor_pos = position(anchor);
+    for (bool grew = true; grew;) {
+      grew = false;
+      // Producers of members, latest first.
+      std::vector<ir::Node*> producers;
+      for (ir::Node* m : members)
+        for (ir::Value* v : m->inputs()) producers.push_back(v->node());
+      std::sort(producers.begin(), producers.end(),
+                [&](const ir::Node* a, const ir::Node* b) { return position(a) > position(b); });
+      for (ir::Node* p : producers) {
+        if (in_group.count(p) || taken.count(p) || !detail::is_fusable(*p) ||
+            p->stage() != anchor->stage() || !pos.count(p))
+          continue;
+        bool ok = true, outside = false;
+        for (const ir::Use& u : p->output()->uses()) {
+          if (in_group.count(u.user)) continue;
+          outside = true;
+          ok = ok && position(u.user) > anchor_pos;
+        }
+        if (!ok || (outside && !detail::compatible_sizes(p->output(), anchor->output()))) continue;
+        members.push_back(p);
+        in_group.insert(p);
+        grew = true;
+        break;
+      }
+    }
+    if (members.size() < 2) continue;
+    for (ir::Node* m : members) taken.insert(m);
+    std::sort(members.begin(), members.end(),
+              [&](const ir::Node* a, const ir::Node* b) { return position(a) < position(b); });
+    groups.push_back(std::move(members));
+  }
+  for (const auto& members : groups) detail::make_group(graph, members);
+  return groups.size();
+}
+
+}  // namespace stagejit::passes

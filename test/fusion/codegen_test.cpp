@@ -1,0 +1,227 @@
+// fusion::generate + run_fused: generated CPU kernels against ATen eager run node by node
+// (ops::run_forward through run_unfused), shapes, layouts, dtypes, special values, and
+// the fallback when no compiler is available.
+#include <stagejit/fusion/codegen.hpp>
+#include <stagejit/ir/ir.hpp>
+#include <stagejit/testing/doctest.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+
+#include <unistd.h>
+
+namespace ir = stagejit::ir;
+namespace fusion = stagejit::fusion;
+
+namespace {
+
+int64_t ulps(float x, float y) {
+  if (std::isnan(x) || std::isnan(y)) return (std::isnan(x) && std::isnan(y)) ? 0 : INT64_MAX;
+  if (x == y) return 0;
+  if (std::isinf(x) || std::isinf(y)) return INT64_MAX;
+  int32_t ix, iy;
+  std::memcpy(&ix, &x, 4);
+  std::memcpy(&iy, &y, 4);
+  if ((ix < 0) != (iy < 0)) return int64_t(ix & 0x7fffffff) + int64_t(iy & 0x7fffffff);
+  return std::llabs(int64_t(ix) - int64_t(iy));
+}
+
+/// Float within 4 ulp, double within 1e-12 relative to max(1, |want|); NaN and
+/// infinities must match exactly; bool exactly.
+void check_close(const at::Tensor& got, const at::Tensor& want) {
+  REQUIRE(got.sizes() == want.sizes());
+  REQUIRE((got.scalar_type() == want.scalar_type()));
+  const at::Tensor g = got.contiguous().reshape({-1}), w = want.contiguous().reshape({-1});
+  int64_t worst = 0;
+  double worst_d = 0;
+  for (int64_t i = 0; i < w.numel(); ++i) {
+    if (w.scalar_type() == at::kFloat) {
+      worst = std::max(worst, ulps(g.data_ptr<float>()[i], w.data_ptr<float>()[i]));
+    } else if (w.scalar_type() == at::kBool) {
+      if (g.data_ptr<bool>()[i] != w.data_ptr<bool>()[i]) worst = INT64_MAX;
+    } else {
+      const double x = g.data_ptr<double>()[i], y = w.data_ptr<double>()[i];
+      if (!std::isfinite(x) || !std::isfinite(y)) {
+        if (!((std::isnan(x) && std::isnan(y)) || x == y)) worst_d = INFINITY;
+        continue;
+      }
+      worst_d = std::max(worst_d, std::abs(x - y) / std::max(1.0, std::abs(y)));
+    }
+  }
+  CHECK(worst <= 4);
+  CHECK(worst_d <= 1e-12);
+}
+
+/// Runs the subgraph fused (asserting the kernel ran) and node by node; compares.
+void check_group(const std::string& text, const std::vector<at::Tensor>& inputs) {
+  auto g = ir::parse(text);
+  std::string reason = "unset";
+  auto got = fusion::run_fused(*g, inputs, {nullptr, "test group", &reason});
+  CHECK_MESSAGE(reason == "", reason);
+  auto want = fusion::run_unfused(*g, inputs);
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    CHECK(got[i].is_contiguous());
+    check_close(got[i], want[i]);
+  }
+}
+
+const std::string tanh_sigmoid = R"(graph(%a : Float(4), %b : Float(4), %c : Float(4)) {
+  %0 : Float(4) = mul(%a, %b);
+  %1 : Float(4) = add[alpha=1](%0, %c);
+  %2 : Float(4) = tanh(%1);
+  %3 : Float(4) = sigmoid(%a);
+  %4 : Float(4) = mul(%2, %3);
+  return (%4);
+}
+)";
+
+}  // namespace
+
+TEST_SUITE("fusion") {
+  TEST_CASE("generate: float math uses T literals and the Vectorized kernel ABI") {
+    auto g = ir::parse(R"(graph(%a : Float(4)) {
+  %0 : Float(4) = mul[other=2](%a);
+  %1 : Float(4) = rsub[other=1.5, alpha=1](%0);
+  return (%1);
+}
+)");
+    auto ks = fusion::generate(*g, {at::ones({4})});
+    CHECK(ks.source.find("using T = float;") != std::string::npos);
+    CHECK(ks.source.find("V(T(2))") != std::string::npos);
+    CHECK(ks.source.find("V(T(1.5))") != std::string::npos);
+    CHECK(ks.source.find("sjk::elementwise<T, sjk::types<float>, sjk::types<float>>") != std::string::npos);
+    CHECK(ks.key.inputs.size() == 1);
+    CHECK(ks.key.outputs.size() == 1);
+    CHECK_THROWS_AS(fusion::generate(*g, {at::ones({4}, at::kLong)}), stagejit::FusionError);
+    CHECK_THROWS_AS(fusion::generate(*g, {}), stagejit::FusionError);
+  }
+
+  TEST_CASE("run_fused: tanh(a*b + c) * sigmoid(a) in float and double, over shapes and layouts") {
+    at::manual_seed(1);
+    for (auto dtype : {at::kFloat, at::kDouble}) {
+      CAPTURE(dtype);
+      auto o = at::TensorOptions().dtype(dtype);
+      check_group(tanh_sigmoid, {at::randn({1000}, o), at::randn({1000}, o), at::randn({1000}, o)});
+      // broadcast [16, 1] x [4]
+      check_group(tanh_sigmoid, {at::randn({16, 1}, o), at::randn({4}, o), at::randn({16, 4}, o)});
+      // transposed and expanded inputs
+      check_group(tanh_sigmoid, {at::randn({4, 16}, o).t(), at::randn({16, 4}, o), at::randn({1, 4}, o).expand({16, 4})});
+      check_group(tanh_sigmoid, {at::randn({5, 7, 3}, o).permute({2, 0, 1}), at::randn({7}, o), at::randn({3, 5, 7}, o)});
+      // 0-dim and empty
+      check_group(tanh_sigmoid, {at::randn({}, o), at::randn({}, o), at::randn({}, o)});
+      check_group(tanh_sigmoid, {at::randn({0, 4}, o), at::randn({4}, o), at::randn({0, 4}, o)});
+      // an output shape check: 0-dim with a vector broadcasts to the vector
+      auto out = fusion::run_fused(*ir::parse(tanh_sigmoid), {at::randn({}, o), at::randn({3}, o), at::randn({}, o)});
+      CHECK(out[0].sizes() == at::IntArrayRef({3}));
+    }
+  }
+
+  TEST_CASE("run_fused: NaN and infinities through maximum/minimum/clamp/relu, saturating tanh/sigmoid, 1.5 / x") {
+    const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+    const std::vector<double> vals = {nan, inf, -inf, 0.0, -0.0, 1.0, -2.5, 50, -50, -100, 3e38, 1e-30};
+    const std::string text = R"(graph(%x : Float(12), %y : Float(12)) {
+  %0 : Float(12) = maximum(%x, %y);
+  %1 : Float(12) = minimum(%x, %y);
+  %2 : Float(12) = clamp[min=-1, max=2](%x);
+  %3 : Float(12) = relu(%x);
+  %4 : Float(12) = tanh(%x);
+  %5 : Float(12) = sigmoid(%x);
+  %6 : Float(12) = reciprocal(%x);
+  %7 : Float(12) = mul[other=1.5](%6);
+  %8 : Float(12) = clamp[min=0.5](%y);
+  %9 : Float(12) = div(%x, %y);
+  %10 : Float(12) = add(%0, %1);
+  return (%0, %1, %2, %3, %4, %5, %7, %8, %9, %10);
+}
+)";
+    for (auto dtype : {at::kFloat, at::kDouble}) {
+      CAPTURE(dtype);
+      auto x = at::tensor(vals, at::TensorOptions().dtype(at::kDouble)).to(dtype);
+      auto y = x.flip({0});  // NaN meets finite values on both sides, inf meets -inf ...
+      check_group(text, {x, y});
+      check_group(text, {y, x});
+    }
+  }
+
+  TEST_CASE("run_fused: comparisons give bool outputs, where/masked_fill read them; scalar forms; pow") {
+    at::manual_seed(2);
+    const std::string text = R"(graph(%a : Double(6, 5), %b : Double(5)) {
+  %0 : Bool(6, 5) = gt(%a, %b);
+  %1 : Double(6, 5) = where(%0, %a, %b);
+  %2 : Bool(6, 5) = le[other=0.25](%a);
+  %3 : Double(6, 5) = masked_fill[value=-7](%1, %2);
+  %4 : Double(6, 5) = sub[alpha=2](%3, %b);
+  %5 : Double(6, 5) = pow[exponent=2](%4);
+  %6 : Double(6, 5) = pow[exponent=2.5](%a);
+  %7 : Double(6, 5) = sign(%4);
+  %8 : Double(6, 5) = add[other=3, alpha=0.5](%7);
+  %9 : Bool(6, 5) = logical_and(%0, %2);
+  return (%0, %3, %5, %6, %8, %9);
+}
+)";
+    for (auto dtype : {at::kFloat, at::kDouble}) {
+      CAPTURE(dtype);
+      auto o = at::TensorOptions().dtype(dtype);
+      check_group(text, {at::randn({6, 5}, o), at::randn({5}, o)});
+      check_group(text, {at::rand({6, 5}, o), at::randn({5}, o)});
+    }
+  }
+
+  TEST_CASE("run_fused: outputs of different shapes, mixed dtypes and missing compilers fall back op by op") {
+    at::manual_seed(3);
+    auto g = ir::parse(tanh_sigmoid);
+    std::vector<at::Tensor> in = {at::randn({8}), at::randn({8}), at::randn({8})};
+
+    // A backend whose compiler does not exist: FusionError, fallback, one warning.
+    fusion::CpuBackendOptions opts = fusion::CpuBackendOptions::from_environment();
+    opts.compiler = {"/nonexistent/c++"};
+    opts.cache_dir = std::filesystem::temp_directory_path() / ("stagejit-codegen-nocxx-" + std::to_string(::getpid()));
+    fusion::CpuBackend broken(opts);
+    std::ostringstream captured;
+    auto* old = std::cerr.rdbuf(captured.rdbuf());
+    std::string reason;
+    std::vector<at::Tensor> got, got2;
+    try {
+      got = fusion::run_fused(*g, in, {&broken, "fusion_group_7", &reason});
+      got2 = fusion::run_fused(*g, in, {&broken, "fusion_group_7", nullptr});
+    } catch (...) {
+      std::cerr.rdbuf(old);
+      throw;
+    }
+    std::cerr.rdbuf(old);
+    std::filesystem::remove_all(opts.cache_dir);
+    CHECK(reason != "");
+    const std::string warning = captured.str();
+    CHECK(warning.find("fusion_group_7") != std::string::npos);
+    CHECK(warning.find("fusion_group_7", warning.find("fusion_group_7") + 1) == std::string::npos);  // once
+    auto want = fusion::run_unfused(*g, in);
+    check_close(got[0], want[0]);
+    check_close(got2[0], want[0]);
+    // The oracle itself is ATen eager.
+    check_close(want[0], at::tanh(in[0] * in[1] + in[2]) * at::sigmoid(in[0]));
+
+    // Mixed float/double inputs: op-by-op promotion, no kernel.
+    std::vector<at::Tensor> mixed = {at::randn({8}), at::randn({8}, at::kDouble), at::randn({8})};
+    reason.clear();
+    auto m = fusion::run_fused(*g, mixed, {nullptr, "mixed", &reason});
+    CHECK(reason.find("mixed") != std::string::npos);
+    check_close(m[0], at::tanh(mixed[0] * mixed[1] + mixed[2]) * at::sigmoid(mixed[0]));
+
+    // An output smaller than the iteration shape.
+    auto two = ir::parse(R"(graph(%a : Float(4), %b : Float(3, 4)) {
+  %0 : Float(4) = exp(%a);
+  %1 : Float(3, 4) = mul(%0, %b);
+  return (%0, %1);
+}
+)");
+    std::vector<at::Tensor> ab = {at::randn({4}), at::randn({3, 4})};
+    reason.clear();
+    auto r = fusion::run_fused(*two, ab, {nullptr, "two shapes", &reason});
+    CHECK(reason != "");
+    check_close(r[0], at::exp(ab[0]));
+    check_close(r[1], at::exp(ab[0]) * ab[1]);
+  }
+}
