@@ -294,7 +294,7 @@ TEST_SUITE("closure") {
       auto a = sj::tanh(in[0]);
       auto b = sj::tanh(in[0]);  // CSE removes the duplicate
       return {sj::sum(a * b)};
-    });
+    }, {.fuse = false});
     auto x = sj::Variable(at::ones({3}, at::kDouble), true);
     auto g = f.graph_for({x});
     CHECK_NOTHROW(sj::ir::lint(*g));
@@ -303,5 +303,41 @@ TEST_SUITE("closure") {
     for (auto* n : g->nodes())
       if (auto* op = n->get_if<sj::ir::Op>(); op && op->name == "tanh") ++tanhs;
     CHECK(tanhs == 1);
+  }
+}
+
+TEST_SUITE("closure") {
+  TEST_CASE("fusion inside compile(): every stage of tanh(a*b + c) * sigmoid(a) is fused") {
+    auto fn = [](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::sum(sj::tanh(in[0] * in[1] + in[2]) * sj::sigmoid(in[0]))};
+    };
+    auto fused = sj::compile(fn, {.derivatives = 2, .fuse = true});
+    auto unfused = sj::compile(fn, {.derivatives = 2, .fuse = false});
+    at::manual_seed(21);
+    std::vector<at::Tensor> data = {rand_d({16, 4}), rand_d({4}), rand_d({16, 1})};
+    sj::variable_list in;
+    for (auto& d : data) in.emplace_back(d, true);
+    auto g = fused.graph_for(in);
+    CHECK_NOTHROW(sj::ir::lint(*g));
+    std::vector<int> groups(g->num_stages(), 0);
+    for (auto* n : g->nodes()) groups[n->stage()] += n->is<sj::ir::FusionGroup>();
+    CHECK(groups[0] >= 1);
+    CHECK(groups[1] >= 1);
+    std::string text = sj::ir::to_string(*g);
+    CHECK(text.find("with fusion_group_") != std::string::npos);
+
+    auto y1 = fused(in)[0];
+    auto y2 = unfused(in)[0];
+    CHECK(max_abs_diff(y1.data(), y2.data()) <= 1e-12);
+    auto g1 = sj::grad({y1}, in, {}, true);
+    auto g2 = sj::grad({y2}, in, {}, true);
+    for (std::size_t i = 0; i < in.size(); ++i) CHECK(max_abs_diff(g1[i].data(), g2[i].data()) <= 1e-12);
+    auto s1 = sj::sum(g1[0]), s2 = sj::sum(g2[0]);
+    auto gg1 = sj::grad({s1}, in, {}, false, true);
+    auto gg2 = sj::grad({s2}, in, {}, false, true);
+    for (std::size_t i = 0; i < in.size(); ++i) {
+      CAPTURE(i);
+      CHECK(max_abs_diff(gg1[i].data(), gg2[i].data()) <= 1e-12);
+    }
   }
 }

@@ -5,7 +5,7 @@
 /// that retraces on a new spec instead of erroring).
 ///
 /// A miss traces `fn` with `derivatives` backward stages, runs the passes (DCE and CSE
-/// when `optimize`), builds the stage closures and serves the call from them; a hit
+/// when `optimize`, the graph fuser when `fuse`), builds the stage closures and serves the call from them; a hit
 /// reuses them. Calls are thread-safe: the cache is guarded by a mutex (a miss traces
 /// outside it; two threads missing on one spec may both trace, and the first to finish
 /// is kept), and every call's state lives in the call.
@@ -16,6 +16,7 @@
 #include <stagejit/core/error.hpp>
 #include <stagejit/passes/cse.hpp>
 #include <stagejit/passes/dce.hpp>
+#include <stagejit/passes/graph_fuser.hpp>
 #include <stagejit/trace/trace.hpp>
 
 #include <atomic>
@@ -31,7 +32,7 @@ struct CompileOptions {
   int derivatives = 1;
   /// Run DCE and CSE on the traced graph.
   bool optimize = true;
-  /// Fuse elementwise chains into kernels (takes effect once the fuser is built in).
+  /// Fuse elementwise chains of each stage into generated CPU kernels (`passes::fuse`).
   bool fuse = true;
 };
 
@@ -119,6 +120,7 @@ class CompiledFunction {
       passes::eliminate_common_subexpressions(*g);
       passes::eliminate_dead_code(*g);
     }
+    if (o.fuse) passes::fuse(*g);
     auto entry = std::make_shared<Entry>();
     entry->closure = std::make_shared<closure::MultiStageClosure>(g, tr);
     std::lock_guard<std::mutex> lock(state_->mutex);

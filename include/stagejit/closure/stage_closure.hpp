@@ -9,7 +9,8 @@
 /// Function per node (SPEC 3.5): Param -> InputPlaceholder (a root); a value of an
 /// earlier stage -> PrevStageInput (a root); Constant -> WrapConstant fed by the single
 /// ConstantFactory root (so are nullary ops such as `zeros`); Undefined -> EmitNull (never run: consumers see undefined);
-/// Op -> Lambda over the op table; HostOp -> HostCall; Eval -> EvalPlaceholder whose
+/// Op -> Lambda over the op table; FusionGroup -> FusedKernel running the generated
+/// kernel (`fusion::run_fused`, which falls back to the nodes one by one); HostOp -> HostCall; Eval -> EvalPlaceholder whose
 /// post-callback applies the Handle; Transpose / Reshape / Gemm -> Lambda over ATen; the
 /// stage's outputs -> one Output stopped by a CaptureOutputs pre-callback. Fan-out and
 /// unused outputs go through Replicate (a Function has one edge per output, and the
@@ -20,6 +21,7 @@
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/closure/plan.hpp>
 #include <stagejit/core/error.hpp>
+#include <stagejit/fusion/codegen.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
 #include <stagejit/ops/op_def.hpp>
@@ -162,6 +164,22 @@ struct StageClosure {
             return host_call(n, kind);
           } else if constexpr (std::is_same_v<K, ir::Eval>) {
             return eval_placeholder(n);
+          } else if constexpr (std::is_same_v<K, ir::FusionGroup>) {
+            STAGEJIT_CHECK_AS(CompileError, kind.subgraph, "closure: FusionGroup ",
+                              n->describe(), " has no subgraph");
+            auto sub = kind.subgraph;
+            std::string name = "fusion_group_" + std::to_string(n->id());
+            return make_function(
+                FusedKernel{name, [sub, name](const variable_list& in) -> variable_list {
+                              std::vector<at::Tensor> tensors;
+                              tensors.reserve(in.size());
+                              for (const auto& v : in) tensors.push_back(v.data());
+                              fusion::RunFusedOptions options;
+                              options.group_name = name;
+                              auto outs = fusion::run_fused(*sub, tensors, options);
+                              return variable_list(outs.begin(), outs.end());
+                            }},
+                {}, n_in);
           } else if constexpr (std::is_same_v<K, ir::Transpose>) {
             auto perm = kind.perm;
             return make_function(
