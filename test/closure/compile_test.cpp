@@ -3,6 +3,7 @@
 #include <stagejit/stagejit.hpp>
 #include <stagejit/testing/doctest.hpp>
 
+#include "../support/host_functions.hpp"
 #include "../support/models.hpp"
 #include "../support/staged_oracle.hpp"
 
@@ -66,25 +67,8 @@ void check_compiled(SjFn sj_fn, TorchFn torch_fn, const std::vector<at::Tensor>&
   CHECK(f.stats().hits == 1);
 }
 
-struct MulConstant : sj::HostFunction<MulConstant> {
-  static sj::Variable forward(sj::HostContext* ctx, sj::Variable x, double c) {
-    ctx->saved_data["c"] = c;
-    return sj::Variable(x.data() * c);
-  }
-  static sj::variable_list backward(sj::HostContext* ctx, sj::variable_list grads) {
-    return {grads[0] * std::get<double>(ctx->saved_data.at("c"))};
-  }
-};
-struct Mul : sj::HostFunction<Mul> {
-  static sj::Variable forward(sj::HostContext* ctx, sj::Variable x, sj::Variable y) {
-    ctx->save_for_backward({x, y});
-    return sj::Variable(x.data() * y.data());
-  }
-  static sj::variable_list backward(sj::HostContext* ctx, sj::variable_list grads) {
-    auto s = ctx->get_saved_variables();
-    return {grads[0] * s[1], grads[0] * s[0]};
-  }
-};
+using sj::testing::Mul;
+using sj::testing::MulConstant;
 
 }  // namespace
 
