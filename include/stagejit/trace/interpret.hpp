@@ -7,6 +7,7 @@
 /// Function its Handle input holds. It is the simple oracle that the closure compiler
 /// and the fuser are checked against; it is not fast.
 
+#include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
 #include <stagejit/autograd/variable.hpp>
