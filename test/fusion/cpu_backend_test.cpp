@@ -5,6 +5,8 @@
 #include <stagejit/fusion/tensor_args.hpp>
 #include <stagejit/testing/doctest.hpp>
 
+#include "check_close.hpp"
+
 #include "kernels.hpp"
 
 #include <spawn.h>
@@ -27,6 +29,8 @@ using namespace stagejit::fusion;
 using namespace stagejit::fusion::testing;
 
 namespace {
+
+using stagejit::testing::check_close;
 
 /// Removes a folder at exit.
 struct TempDirHolder {
@@ -76,43 +80,6 @@ KernelSource tanh_sigmoid(at::ScalarType dtype) {
   const std::string t = dtype == at::kFloat ? "float" : "double";
   const std::string entry = "tanh_sigmoid_" + t;
   return KernelSource{cpu_tanh_sigmoid_source(t, entry), entry, tanh_sigmoid_key(dtype)};
-}
-
-/// Distance in units in the last place between two floats (0 for equal values, both NaN).
-int64_t ulp_distance(float x, float y) {
-  if (std::isnan(x) || std::isnan(y)) return (std::isnan(x) && std::isnan(y)) ? 0 : INT64_MAX;
-  if (x == y) return 0;
-  int32_t ix = 0, iy = 0;
-  std::memcpy(&ix, &x, 4);
-  std::memcpy(&iy, &y, 4);
-  if ((ix < 0) != (iy < 0)) return int64_t(ix & 0x7fffffff) + int64_t(iy & 0x7fffffff);
-  return std::llabs(int64_t(ix) - int64_t(iy));
-}
-
-/// Checks `got` against `want` elementwise: floats within 4 ulp, doubles within 1e-12
-/// (relative to max(1, |want|)).
-void check_close(const at::Tensor& got, const at::Tensor& want) {
-  REQUIRE(got.sizes() == want.sizes());
-  REQUIRE((got.scalar_type() == want.scalar_type()));
-  const at::Tensor g = got.contiguous().reshape({-1}), w = want.contiguous().reshape({-1});
-  int64_t worst = 0;
-  double worst_d = 0;
-  for (int64_t i = 0; i < w.numel(); ++i) {
-    if (w.scalar_type() == at::kFloat) {
-      worst = std::max(worst, ulp_distance(g.data_ptr<float>()[i], w.data_ptr<float>()[i]));
-    } else {
-      const double x = g.data_ptr<double>()[i], y = w.data_ptr<double>()[i];
-      if (std::isnan(x) || std::isnan(y) || std::isinf(x) || std::isinf(y)) {
-        // Non-finite values must match exactly (NaN with NaN, inf with the same inf).
-        const bool same = (std::isnan(x) && std::isnan(y)) || x == y;
-        if (!same) worst_d = std::numeric_limits<double>::infinity();
-        continue;
-      }
-      worst_d = std::max(worst_d, std::abs(x - y) / std::max(1.0, std::abs(y)));
-    }
-  }
-  CHECK(worst <= 4);
-  CHECK(worst_d <= 1e-12);
 }
 
 /// Runs `kernel` on (a, b, c) broadcast to their common shape into a fresh output.
