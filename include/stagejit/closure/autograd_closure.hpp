@@ -30,6 +30,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace stagejit::closure {
@@ -48,15 +49,32 @@ struct MultiStageClosure {
       : graph(std::move(g)), plan(*graph) {
     STAGEJIT_CHECK_AS(CompileError, trace.num_stages() == plan.num_stages(), "closure: trace has ",
                       trace.num_stages(), " stages but the graph has ", plan.num_stages());
-    stages.reserve(plan.num_stages());
+    build_stages();
     for (std::size_t s = 0; s < plan.num_stages(); ++s) {
-      stages.emplace_back(plan, s);
-      stages.back().install_handle_callbacks(plan);
       flags.push_back(trace.flags(s));
       gradient_of.push_back(trace.gradient_of(s));
     }
   }
+
+  /// Builds every stage's closure of a graph that did not come from a trace (parsed IR
+  /// text): without the trace's flags its outputs get no grad_fn, so the stages are run
+  /// one after another with `run_stages`. Throws `CompileError` (see StageClosure).
+  explicit MultiStageClosure(std::shared_ptr<ir::Graph> g) : graph(std::move(g)), plan(*graph) {
+    build_stages();
+  }
+
   std::size_t num_stages() const noexcept { return stages.size(); }
+  /// True when built from a Trace (outputs of a call get the next stage as grad_fn).
+  bool linked() const noexcept { return flags.size() == stages.size(); }
+
+ private:
+  void build_stages() {
+    stages.reserve(plan.num_stages());
+    for (std::size_t s = 0; s < plan.num_stages(); ++s) {
+      stages.emplace_back(plan, s);
+      stages.back().install_handle_callbacks(plan);
+    }
+  }
 };
 
 /// Runs stage `stage` of a MultiStageClosure for one call; see the file comment.
@@ -72,9 +90,14 @@ class StageCall final : public ClosureImpl {
 
   std::string_view name() const override { return name_; }
 
-  /// Runs the stage on `inputs` (one per stage input). Throws `Error` naming the stage and
-  /// input for a wrong count, `ShapeError` for a shape or dtype other than traced.
-  variable_list apply(variable_list inputs) override {
+  /// The stage this call runs.
+  std::size_t stage() const noexcept { return stage_; }
+
+  /// Runs the stage on `inputs` (one per stage input) without autograd linkage: fills
+  /// `state` with the stage's outputs (`state.outputs`, one per stage output) and what it
+  /// captured for later stages. Throws `Error` naming the stage and input for a wrong
+  /// count, `ShapeError` for a shape or dtype other than traced.
+  void run(const variable_list& inputs, CallState& state) const {
     const auto& d = *desc_;
     const auto& sc = d.stages[stage_];
     const auto& stage_inputs = d.plan.stage_inputs(stage_);
@@ -104,20 +127,38 @@ class StageCall final : public ClosureImpl {
       leaves.push_back(slot < env_values_.size() ? Variable(env_values_[slot].data()) : Variable());
     leaves.emplace_back();  // the ConstantFactory's single undefined input
 
-    CallState state;
-    state.values.resize(d.plan.num_slots());
+    state.values.assign(d.plan.num_slots(), Variable());
     state.handles = env_handles_;
     state.handles.resize(d.plan.num_slots());
+    state.outputs.clear();
     ExecuteCallbacks callbacks = sc.callbacks;
     callbacks.state = &state;
-    {
-      ExecuteOptions options;
-      options.create_graph = false;
-      options.keep_graph = true;
-      execute(sc.roots, leaves, options, callbacks);
-    }
+    ExecuteOptions options;
+    options.create_graph = false;
+    options.keep_graph = true;
+    execute(sc.roots, leaves, options, callbacks);
+    state.outputs.resize(sc.num_outputs);
+  }
+
+  /// The call of stage `stage() + 1` primed with what this call captured in `state` (only
+  /// the cross-stage values and Handles a later stage reads), for `run`. Throws `Error` at
+  /// the last stage.
+  std::shared_ptr<StageCall> next_call(const CallState& state) const {
+    const auto& d = *desc_;
+    STAGEJIT_CHECK(stage_ + 1 < d.num_stages(), "compiled stage ", stage_,
+                   " is the last of ", d.num_stages(), " stages");
+    auto [values, handles] = primed(state);
+    return std::make_shared<StageCall>(desc_, stage_ + 1, std::move(values), std::move(handles),
+                                       input_edges_);
+  }
+
+  /// Runs the stage on `inputs` (see `run`) and links its outputs to the next stage as
+  /// described in the file comment.
+  variable_list apply(variable_list inputs) override {
+    const auto& d = *desc_;
+    CallState state;
+    run(inputs, state);
     variable_list outs = std::move(state.outputs);
-    outs.resize(sc.num_outputs);
 
     // Edges of every graph input up to this stage, for the next stage's outputs.
     std::vector<Edge> edges = input_edges_;
@@ -130,10 +171,11 @@ class StageCall final : public ClosureImpl {
     const bool last = stage_ + 1 >= d.num_stages();
     std::vector<bool> wants(outs.size(), false);
     for (std::size_t i = 0; i < outs.size(); ++i)
-      wants[i] = last ? outs[i].defined()
-                      : (i < d.flags[stage_].outputs.size() && d.flags[stage_].outputs[i].requires_grad);
+      wants[i] = d.linked() && (last ? outs[i].defined()
+                                     : (i < d.flags[stage_].outputs.size() &&
+                                        d.flags[stage_].outputs[i].requires_grad));
     std::shared_ptr<Function> grad_fn;
-    if (GradMode::is_enabled()) {
+    if (GradMode::is_enabled() && d.linked()) {
       bool any = false;
       for (std::size_t i = 0; i < outs.size(); ++i) any = any || (wants[i] && outs[i].defined());
       bool any_edge = false;
@@ -177,6 +219,18 @@ class StageCall final : public ClosureImpl {
                                          "CompileOptions::derivatives"},
                            std::move(live), num_grads);
     }
+    auto [values, handles] = primed(state);
+    std::vector<Edge> next_edges;
+    for (std::size_t gi : d.gradient_of[next]) next_edges.push_back(gi < edges.size() ? edges[gi] : Edge{});
+    auto impl = std::make_shared<StageCall>(desc_, next, std::move(values), std::move(handles), edges);
+    return make_function(ClosureFunction{std::move(impl)}, std::move(next_edges), num_grads);
+  }
+
+  /// The cross-stage values and Handles a stage after this one reads, from this call's
+  /// captures or (for values of earlier stages) what this call was primed with.
+  std::pair<std::vector<Variable>, std::vector<std::shared_ptr<Function>>> primed(
+      const CallState& state) const {
+    const auto& d = *desc_;
     std::vector<Variable> values(d.plan.num_slots());
     std::vector<std::shared_ptr<Function>> handles(d.plan.num_slots());
     for (std::size_t slot : d.plan.needed_after(stage_)) {
@@ -184,10 +238,7 @@ class StageCall final : public ClosureImpl {
       else if (slot < env_values_.size()) values[slot] = env_values_[slot];
       if (slot < state.handles.size() && state.handles[slot]) handles[slot] = state.handles[slot];
     }
-    std::vector<Edge> next_edges;
-    for (std::size_t gi : d.gradient_of[next]) next_edges.push_back(gi < edges.size() ? edges[gi] : Edge{});
-    auto impl = std::make_shared<StageCall>(desc_, next, std::move(values), std::move(handles), edges);
-    return make_function(ClosureFunction{std::move(impl)}, std::move(next_edges), num_grads);
+    return {std::move(values), std::move(handles)};
   }
 
   std::shared_ptr<const MultiStageClosure> desc_;
@@ -197,5 +248,28 @@ class StageCall final : public ClosureImpl {
   std::vector<Edge> input_edges_;
   std::string name_;
 };
+
+/// Runs stages 0..inputs.size()-1 of `closure` one after another, stage s on `inputs[s]`
+/// (one Variable per stage input; an undefined one becomes zeros of the declared type),
+/// each primed with what the earlier stages captured; no autograd linkage. Returns each
+/// stage's outputs. Used by `stagejit-run --stage K` and for graphs parsed from text.
+/// Throws `Error` for more input lists than stages, and what `StageCall::run` throws.
+inline std::vector<variable_list> run_stages(std::shared_ptr<const MultiStageClosure> closure,
+                                             const std::vector<variable_list>& inputs) {
+  STAGEJIT_CHECK(closure, "run_stages: null closure");
+  STAGEJIT_CHECK(inputs.size() <= closure->num_stages(), "run_stages: ", inputs.size(),
+                 " input lists for a graph of ", closure->num_stages(), " stages");
+  std::vector<variable_list> results;
+  auto call = std::make_shared<StageCall>(closure, 0, std::vector<Variable>{},
+                                          std::vector<std::shared_ptr<Function>>{},
+                                          std::vector<Edge>{});
+  for (std::size_t s = 0; s < inputs.size(); ++s) {
+    CallState state;
+    call->run(inputs[s], state);
+    results.push_back(std::move(state.outputs));
+    if (s + 1 < inputs.size()) call = call->next_call(state);
+  }
+  return results;
+}
 
 }  // namespace stagejit::closure
