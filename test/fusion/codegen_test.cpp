@@ -192,3 +192,59 @@ TEST_SUITE("fusion") {
     check_close(r[1], at::exp(ab[0]) * ab[1]);
   }
 }
+
+TEST_SUITE("fusion") {
+  TEST_CASE("FusedGroup memoises one plan per input signature; results equal run_fused") {
+    auto g = std::shared_ptr<const ir::Graph>(ir::parse(tanh_sigmoid));
+    fusion::FusedGroup group(g, "memo group");
+    at::manual_seed(3);
+    for (int round = 0; round < 2; ++round) {
+      // Contiguous, then a transposed layout, then another size: three signatures, each
+      // planned once and reused the second round.
+      std::vector<std::vector<at::Tensor>> calls = {
+          {at::randn({4}), at::randn({4}), at::randn({4})},
+          {at::randn({3, 5}).t(), at::randn({5, 3}), at::randn({3})},
+          {at::randn({7}), at::randn({7}), at::randn({})}};
+      for (const auto& in : calls) {
+        auto got = group.run(in);
+        auto want = fusion::run_unfused(*g, in);
+        REQUIRE(got.size() == want.size());
+        for (size_t i = 0; i < got.size(); ++i) check_close(got[i], want[i]);
+      }
+    }
+    CHECK_THROWS_WITH_AS(group.run({at::randn({4})}), doctest::Contains("memo group has 3 inputs"),
+                         stagejit::FusionError);
+  }
+
+  TEST_CASE("HostCachingAllocator: freed blocks of 1 MiB or more are reused, small ones are not cached") {
+    auto& alloc = fusion::HostCachingAllocator::get();
+    alloc.empty_cache();
+    const auto before = alloc.stats();
+    void* first = nullptr;
+    {
+      at::Tensor t = fusion::empty_cached({1 << 20}, at::kFloat);  // 4 MiB
+      first = t.data_ptr();
+      CHECK(reinterpret_cast<uintptr_t>(first) % 64 == 0);
+      t.fill_(2.0f);
+      CHECK(t.sum().item<double>() == doctest::Approx(2.0 * (1 << 20)));
+      CHECK(alloc.stats().in_use_bytes >= before.in_use_bytes + (4u << 20));
+    }
+    CHECK(alloc.stats().cached_bytes >= (4u << 20));
+    at::Tensor again = fusion::empty_cached({1024, 1024}, at::kFloat);  // same byte size
+    CHECK(again.data_ptr() == first);
+    CHECK(alloc.stats().hits == before.hits + 1);
+    CHECK(again.sizes() == at::IntArrayRef({1024, 1024}));
+    CHECK(again.is_contiguous());
+    // Small tensors come from c10's allocator: nothing cached for them.
+    const auto cached = alloc.stats().cached_bytes;
+    { at::Tensor small = fusion::empty_cached({16}, at::kDouble); }
+    CHECK(alloc.stats().cached_bytes == cached);
+    // A capacity below the cached bytes releases them; freed blocks above it are not kept.
+    const auto capacity = alloc.capacity();
+    alloc.set_capacity(0);
+    CHECK(alloc.stats().cached_bytes == 0);
+    again = at::Tensor();
+    CHECK(alloc.stats().cached_bytes == 0);
+    alloc.set_capacity(capacity);
+  }
+}

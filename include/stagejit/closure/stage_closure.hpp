@@ -10,7 +10,7 @@
 /// earlier stage -> PrevStageInput (a root); Constant -> WrapConstant fed by the single
 /// ConstantFactory root (so are nullary ops such as `zeros`); Undefined -> EmitNull (never run: consumers see undefined);
 /// Op -> Lambda over the op table; FusionGroup -> FusedKernel running the generated
-/// kernel (`fusion::run_fused`, which falls back to the nodes one by one); HostOp -> HostCall; Eval -> EvalPlaceholder whose
+/// kernel (`fusion::FusedGroup`, which falls back to the nodes one by one); HostOp -> HostCall; Eval -> EvalPlaceholder whose
 /// post-callback applies the Handle; Transpose / Reshape / Gemm -> Lambda over ATen; the
 /// stage's outputs -> one Output stopped by a CaptureOutputs pre-callback. Fan-out and
 /// unused outputs go through Replicate (a Function has one edge per output, and the
@@ -167,16 +167,14 @@ struct StageClosure {
           } else if constexpr (std::is_same_v<K, ir::FusionGroup>) {
             STAGEJIT_CHECK_AS(CompileError, kind.subgraph, "closure: FusionGroup ",
                               n->describe(), " has no subgraph");
-            auto sub = kind.subgraph;
             std::string name = "fusion_group_" + std::to_string(n->id());
+            auto group = std::make_shared<const fusion::FusedGroup>(kind.subgraph, name);
             return make_function(
-                FusedKernel{name, [sub, name](const variable_list& in) -> variable_list {
+                FusedKernel{name, [group](const variable_list& in) -> variable_list {
                               std::vector<at::Tensor> tensors;
                               tensors.reserve(in.size());
                               for (const auto& v : in) tensors.push_back(v.data());
-                              fusion::RunFusedOptions options;
-                              options.group_name = name;
-                              auto outs = fusion::run_fused(*sub, tensors, options);
+                              auto outs = group->run(tensors);
                               return variable_list(outs.begin(), outs.end());
                             }},
                 {}, n_in);

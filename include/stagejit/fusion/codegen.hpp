@@ -21,6 +21,7 @@
 #include <stagejit/core/error.hpp>
 #include <stagejit/fusion/cpu_backend.hpp>
 #include <stagejit/fusion/detail/codegen_ops.hpp>
+#include <stagejit/fusion/host_allocator.hpp>
 #include <stagejit/fusion/kernel_spec.hpp>
 #include <stagejit/fusion/tensor_args.hpp>
 #include <stagejit/ir/graph.hpp>
@@ -262,65 +263,168 @@ inline void warn_fallback(const std::string& group, const std::string& text, con
 
 }  // namespace detail
 
-/// Runs a FusionGroup subgraph on `inputs` (one tensor per subgraph input, broadcastable
-/// to one shape): allocates the outputs (the broadcast shape, contiguous; dtypes from
-/// `output_dtypes`), and runs the generated kernel from the CPU backend (kernels cached in
-/// the process per backend, key and subgraph text). When no kernel can be used (anything
-/// `generate` refuses, or FusionError from the backend such as a missing compiler), runs
-/// the nodes one by one with `run_unfused` instead and prints a one-time warning per
-/// group on stderr. Throws ShapeError when the inputs do not broadcast, and what
-/// `run_unfused` throws.
-inline std::vector<at::Tensor> run_fused(const ir::Graph& subgraph, const std::vector<at::Tensor>& inputs,
-                                         const RunFusedOptions& options = {}) {
-  STAGEJIT_CHECK_AS(FusionError, inputs.size() == subgraph.inputs().size(), "fusion: the group has ",
-                    subgraph.inputs().size(), " inputs but was given ", inputs.size(), " tensors");
-  const auto shape = broadcast_shape(inputs);
-  const std::string text = ir::to_string(subgraph);
-  auto fall_back = [&](const std::string& reason) {
-    if (options.fallback_reason) *options.fallback_reason = reason;
-    detail::warn_fallback(options.group_name, text, reason);
-    return run_unfused(subgraph, inputs);
-  };
-  for (const auto& x : inputs)
-    if (!x.defined() || !x.device().is_cpu()) return fall_back("fused kernels run on defined CPU tensors only");
-  if (!detail::outputs_have_shape(subgraph, inputs, shape))
-    return fall_back("its outputs do not all have the broadcast shape of its inputs");
-  CpuBackend& backend = options.backend ? *options.backend : default_cpu_backend();
-  std::vector<at::Tensor> outputs;
+namespace detail {
+
+/// What running a group on inputs of one signature takes: the iteration shape and either
+/// a kernel (null for empty outputs) with the output dtypes, or why the nodes must run
+/// one by one.
+struct GroupPlan {
+  std::vector<int64_t> shape;
   std::shared_ptr<const CpuKernel> kernel;
+  std::vector<at::ScalarType> output_dtypes;
+  std::string fallback;  ///< non-empty: run op by op for this reason
+};
+
+/// Plans a run of `subgraph` (printed as `text`) on `inputs` (see `run_fused`).
+inline GroupPlan plan_group(const ir::Graph& subgraph, const std::string& text,
+                            const std::vector<at::Tensor>& inputs, CpuBackend& backend) {
+  GroupPlan plan;
+  for (const auto& x : inputs)
+    if (!x.defined() || !x.device().is_cpu()) {
+      plan.fallback = "fused kernels run on defined CPU tensors only";
+      return plan;
+    }
+  plan.shape = broadcast_shape(inputs);
+  if (!outputs_have_shape(subgraph, inputs, plan.shape)) {
+    plan.fallback = "its outputs do not all have the broadcast shape of its inputs";
+    return plan;
+  }
   try {
     KernelSource source = generate(subgraph, inputs);
-    for (const TensorDesc& d : source.key.outputs) outputs.push_back(at::empty(shape, inputs[0].options().dtype(d.dtype)));
-    if (at::IntArrayRef(shape).size() == 0 || c10::multiply_integers(shape) > 0) {
-      auto& cache = detail::kernel_cache();
-      const std::string key = std::to_string(reinterpret_cast<uintptr_t>(&backend)) + "\n" + source.key.to_string() + "\n" + text;
+    for (const TensorDesc& d : source.key.outputs) plan.output_dtypes.push_back(d.dtype);
+    if (at::IntArrayRef(plan.shape).size() == 0 || c10::multiply_integers(plan.shape) > 0) {
+      auto& cache = kernel_cache();
+      const std::string key = std::to_string(reinterpret_cast<uintptr_t>(&backend)) + "\n" +
+                              source.key.to_string() + "\n" + text;
       {
         std::lock_guard<std::mutex> lock(cache.mutex);
-        if (auto it = cache.kernels.find(key); it != cache.kernels.end()) kernel = it->second;
+        if (auto it = cache.kernels.find(key); it != cache.kernels.end()) plan.kernel = it->second;
         else if (auto f = cache.failures.find(key); f != cache.failures.end()) throw FusionError(f->second);
       }
-      if (!kernel) {
+      if (!plan.kernel) {
         try {
-          kernel = backend.get(source);
+          plan.kernel = backend.get(source);
         } catch (const FusionError& e) {
           std::lock_guard<std::mutex> lock(cache.mutex);
           cache.failures.emplace(key, e.what());
           throw;
         }
         std::lock_guard<std::mutex> lock(cache.mutex);
-        cache.kernels.emplace(key, kernel);
+        cache.kernels.emplace(key, plan.kernel);
       }
     }
   } catch (const FusionError& e) {
-    return fall_back(e.what());
+    plan = GroupPlan{};
+    plan.fallback = e.what();
   }
-  if (kernel) {
+  return plan;
+}
+
+/// Runs a planned group: allocates the outputs (from `HostCachingAllocator`) and runs the
+/// kernel; or, for a fallback plan, warns once and runs the nodes one by one.
+inline std::vector<at::Tensor> run_planned(const GroupPlan& plan, const ir::Graph& subgraph,
+                                           const std::string& text, const std::vector<at::Tensor>& inputs,
+                                           const std::string& group_name) {
+  if (!plan.fallback.empty()) {
+    warn_fallback(group_name, text, plan.fallback);
+    return run_unfused(subgraph, inputs);
+  }
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(plan.output_dtypes.size());
+  for (at::ScalarType dt : plan.output_dtypes) outputs.push_back(empty_cached(plan.shape, dt));
+  if (plan.kernel) {
     std::vector<at::Tensor> ins(inputs.begin(), inputs.end());
-    PackedArgs args = pack_tensor_args(shape, ins, outputs);
-    kernel->run(args);
+    PackedArgs args = pack_tensor_args(plan.shape, ins, outputs);
+    plan.kernel->run(args);
   }
-  if (options.fallback_reason) options.fallback_reason->clear();
   return outputs;
 }
+
+}  // namespace detail
+
+/// Runs a FusionGroup subgraph on `inputs` (one tensor per subgraph input, broadcastable
+/// to one shape): allocates the outputs (the broadcast shape, contiguous, from
+/// `HostCachingAllocator`; dtypes from `output_dtypes`), and runs the generated kernel
+/// from the CPU backend (kernels cached in the process per backend, key and subgraph
+/// text). When no kernel can be used (anything `generate` refuses, or FusionError from
+/// the backend such as a missing compiler), runs the nodes one by one with `run_unfused`
+/// instead and prints a one-time warning per group on stderr. Throws ShapeError when the
+/// inputs do not broadcast, and what `run_unfused` throws. For repeated calls of one
+/// group use `FusedGroup`, which memoises all of this per input signature.
+inline std::vector<at::Tensor> run_fused(const ir::Graph& subgraph, const std::vector<at::Tensor>& inputs,
+                                         const RunFusedOptions& options = {}) {
+  STAGEJIT_CHECK_AS(FusionError, inputs.size() == subgraph.inputs().size(), "fusion: the group has ",
+                    subgraph.inputs().size(), " inputs but was given ", inputs.size(), " tensors");
+  const std::string text = ir::to_string(subgraph);
+  CpuBackend& backend = options.backend ? *options.backend : default_cpu_backend();
+  detail::GroupPlan plan = detail::plan_group(subgraph, text, inputs, backend);
+  if (options.fallback_reason) *options.fallback_reason = plan.fallback;
+  return detail::run_planned(plan, subgraph, text, inputs, options.group_name);
+}
+
+/// One FusionGroup subgraph run call after call (the closure compiler's FusedKernel):
+/// behaves as `run_fused`, but prints the group once and memoises the plan (broadcast
+/// shape, kernel or fallback reason) per input signature (dtype, sizes and contiguity of
+/// every input), so a repeated call does no code generation, printing or hashing of
+/// source text. Thread-safe; the memo holds at most `kMaxPlans` signatures (then the
+/// oldest is dropped). Throws what `run_fused` throws.
+class FusedGroup {
+ public:
+  static constexpr std::size_t kMaxPlans = 16;
+
+  /// `subgraph`: the group's subgraph (not null); `name`: its name in the fallback
+  /// warning; `backend`: null for `default_cpu_backend()`.
+  FusedGroup(std::shared_ptr<const ir::Graph> subgraph, std::string name, CpuBackend* backend = nullptr)
+      : subgraph_(std::move(subgraph)), name_(std::move(name)), backend_(backend) {
+    STAGEJIT_CHECK_AS(FusionError, subgraph_, "fusion: FusedGroup ", name_, " without a subgraph");
+    text_ = ir::to_string(*subgraph_);
+  }
+
+  std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) const {
+    STAGEJIT_CHECK_AS(FusionError, inputs.size() == subgraph_->inputs().size(), "fusion: ", name_,
+                      " has ", subgraph_->inputs().size(), " inputs but was given ", inputs.size(),
+                      " tensors");
+    Signature sig;
+    sig.reserve(inputs.size() * 4);
+    for (const auto& x : inputs) {
+      if (!x.defined()) {
+        sig.push_back(-1);
+        continue;
+      }
+      sig.push_back(static_cast<int64_t>(x.scalar_type()) | (x.is_contiguous() ? 256 : 0) |
+                    (x.device().is_cpu() ? 0 : 512));
+      sig.push_back(x.dim());
+      for (int64_t d : x.sizes()) sig.push_back(d);
+    }
+    std::shared_ptr<const detail::GroupPlan> plan;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const auto& [s, p] : plans_)
+        if (s == sig) {
+          plan = p;
+          break;
+        }
+    }
+    if (!plan) {
+      CpuBackend& backend = backend_ ? *backend_ : default_cpu_backend();
+      plan = std::make_shared<const detail::GroupPlan>(detail::plan_group(*subgraph_, text_, inputs, backend));
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (plans_.size() >= kMaxPlans) plans_.erase(plans_.begin());
+      plans_.emplace_back(std::move(sig), plan);
+    }
+    return detail::run_planned(*plan, *subgraph_, text_, inputs, name_);
+  }
+
+  const std::string& name() const noexcept { return name_; }
+
+ private:
+  using Signature = std::vector<int64_t>;
+  std::shared_ptr<const ir::Graph> subgraph_;
+  std::string name_;
+  CpuBackend* backend_;
+  std::string text_;
+  mutable std::mutex mutex_;
+  mutable std::vector<std::pair<Signature, std::shared_ptr<const detail::GroupPlan>>> plans_;
+};
 
 }  // namespace stagejit::fusion

@@ -9,9 +9,11 @@
 /// type of a kernel, see fusion/codegen.hpp).
 ///
 /// Algorithm: consumers are visited from the last node to the first; a group grows by
-/// absorbing producers of its members when the producer is fusable, of the same stage,
+/// absorbing producers of its members, latest first (a heap: O(n log n) overall), when
+/// the producer is fusable, of the same stage,
 /// not yet in another group, and every use of its output outside the group comes after
-/// the group's anchor (its last node, where the FusionGroup node is placed). Values used
+/// the group's anchor (its last node, where the FusionGroup node is placed; a use by a
+/// member of an earlier-made group counts at that group's anchor). Values used
 /// outside the group (by another node, a later stage or a graph output) become group
 /// outputs, named as the values they replace. Shape rule: a value that becomes a group
 /// output must have the anchor's sizes when both types are known, so all outputs of one
@@ -205,6 +207,7 @@ inline size_t fuse(ir::Graph& graph) {
     return it == pos.end() ? nodes.size() : it->second;  // the Return node comes last
   };
   std::unordered_set<const ir::Node*> taken;
+  std::unordered_map<const ir::Node*, size_t> placed_at;  // member of a group -> its anchor's position
   std::vector<std::vector<ir::Node*>> groups;
   for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
     ir::Node* anchor = *it;
@@ -212,33 +215,47 @@ inline size_t fuse(ir::Graph& graph) {
     std::vector<ir::Node*> members{anchor};
     std::unordered_set<const ir::Node*> in_group{anchor};
     const size_t anchor_pos = position(anchor);
-    for (bool grew = true; grew;) {
-      grew = false;
-      // Producers of members, latest first.
-      std::vector<ir::Node*> producers;
-      for (ir::Node* m : members)
-        for (ir::Value* v : m->inputs()) producers.push_back(v->node());
-      std::sort(producers.begin(), producers.end(),
-                [&](const ir::Node* a, const ir::Node* b) { return position(a) > position(b); });
-      for (ir::Node* p : producers) {
-        if (in_group.count(p) || taken.count(p) || !detail::is_fusable(*p) ||
-            p->stage() != anchor->stage() || !pos.count(p))
-          continue;
-        bool ok = true, outside = false;
-        for (const ir::Use& u : p->output()->uses()) {
-          if (in_group.count(u.user)) continue;
-          outside = true;
-          ok = ok && position(u.user) > anchor_pos;
-        }
-        if (!ok || (outside && !detail::compatible_sizes(p->output(), anchor->output()))) continue;
-        members.push_back(p);
-        in_group.insert(p);
-        grew = true;
-        break;
+    // Candidate producers, latest first (a max-heap on position). A candidate rejected
+    // when popped can never become acceptable later: the only way would be for one of
+    // its outside users (which come after it) to join the group, but every candidate
+    // after it has already been decided and later members come before it.
+    auto later = [&](const ir::Node* a, const ir::Node* b) { return position(a) < position(b); };
+    std::vector<ir::Node*> heap;
+    std::unordered_set<const ir::Node*> queued;
+    auto push_producers = [&](const ir::Node* m) {
+      for (ir::Value* v : m->inputs()) {
+        ir::Node* p = v->node();
+        if (!pos.count(p) || !queued.insert(p).second) continue;
+        heap.push_back(p);
+        std::push_heap(heap.begin(), heap.end(), later);
       }
+    };
+    push_producers(anchor);
+    while (!heap.empty()) {
+      std::pop_heap(heap.begin(), heap.end(), later);
+      ir::Node* p = heap.back();
+      heap.pop_back();
+      if (in_group.count(p) || taken.count(p) || !detail::is_fusable(*p) ||
+          p->stage() != anchor->stage())
+        continue;
+      bool ok = true, outside = false;
+      for (const ir::Use& u : p->output()->uses()) {
+        if (in_group.count(u.user)) continue;
+        outside = true;
+        // A user already in a group runs where that group is placed (its anchor).
+        auto placed = placed_at.find(u.user);
+        ok = ok && (placed != placed_at.end() ? placed->second : position(u.user)) > anchor_pos;
+      }
+      if (!ok || (outside && !detail::compatible_sizes(p->output(), anchor->output()))) continue;
+      members.push_back(p);
+      in_group.insert(p);
+      push_producers(p);
     }
     if (members.size() < 2) continue;
-    for (ir::Node* m : members) taken.insert(m);
+    for (ir::Node* m : members) {
+      taken.insert(m);
+      placed_at.emplace(m, anchor_pos);
+    }
     std::sort(members.begin(), members.end(),
               [&](const ir::Node* a, const ir::Node* b) { return position(a) < position(b); });
     groups.push_back(std::move(members));

@@ -1,0 +1,152 @@
+// bench/closure: what the closure compiler costs and buys.
+//
+// 1. LSTM cell (batch 64, input 512, hidden 512, float; test/support/models.hpp)
+//    forward + backward (gradients of all six inputs for grad outputs of ones):
+//    stagejit compile() with fusion off and on, stagejit eager, libtorch eager; median
+//    times (ms) and speed-ups over libtorch eager, results checked against libtorch.
+// 2. Trace + compile time of generated graphs of about 100, 1 000 and 10 000 forward
+//    nodes (a chain of elementwise ops with fan-out on [8] doubles, one backward stage),
+//    split into trace, passes (DCE + CSE), fuser and closure build, best of three rounds;
+//    per-node cost should stay flat (linear growth).
+// Options: --reps R (default 30), --threads T (ATen intra-op threads; default ATen's),
+// --part all|lstm|compile (default all).
+#include <stagejit/stagejit.hpp>
+#include <torch/torch.h>
+
+#include "../test/support/models.hpp"
+#include "bench_util.hpp"
+
+#include <cstdio>
+#include <cstdlib>
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+namespace sj = stagejit;
+using sj::bench::median_ms;
+using sj::bench::once_ms;
+using sj::bench::row;
+
+namespace {
+
+double max_rel_diff(const at::Tensor& x, const at::Tensor& ref) {
+  return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item<double>();
+}
+
+void lstm(int reps) {
+  const int64_t B = 64, I = 512, H = 512;
+  at::manual_seed(0);
+  std::vector<at::Tensor> data = {at::randn({B, I}), at::randn({B, H}), at::randn({B, H}),
+                                  at::randn({4 * H, I}) * 0.05, at::randn({4 * H, H}) * 0.05,
+                                  at::randn({4 * H}) * 0.05};
+  const at::Tensor ones = at::ones({B, H});
+
+  sj::variable_list in;
+  for (auto& d : data) in.emplace_back(d, true);
+  const sj::variable_list gouts = {sj::Variable(ones), sj::Variable(ones)};
+  auto fn = [](const sj::variable_list& v) { return sj::testing::lstm_cell(v); };
+  auto unfused = sj::compile(fn, {.derivatives = 1, .fuse = false});
+  auto fused = sj::compile(fn, {.derivatives = 1, .fuse = true});
+  auto sj_step = [&](sj::CompiledFunction& f) { return sj::grad(f(in), in, gouts); };
+  const double first_unfused = once_ms([&] { sj_step(unfused); });
+  const double first_fused = once_ms([&] { sj_step(fused); });
+
+  std::vector<torch::Tensor> leaves;
+  for (auto& d : data) leaves.push_back(d.detach().requires_grad_(true));
+  auto torch_step = [&] {
+    auto out = sj::testing::lstm_cell(leaves);
+    return torch::autograd::grad(out, leaves, {ones, ones});
+  };
+
+  const double t_torch = median_ms([&] { torch_step(); }, reps);
+  const double t_eager = median_ms([&] { sj::grad(sj::testing::lstm_cell(in), in, gouts); }, reps);
+  const double t_unfused = median_ms([&] { sj_step(unfused); }, reps);
+  const double t_fused = median_ms([&] { sj_step(fused); }, reps);
+
+  double diff = 0;
+  auto want = torch_step();
+  for (auto* f : {&unfused, &fused}) {
+    auto got = sj_step(*f);
+    for (std::size_t i = 0; i < got.size(); ++i) diff = std::max(diff, max_rel_diff(got[i].data(), want[i]));
+  }
+  int groups = 0;
+  for (auto* node : fused.graph_for(in)->nodes()) groups += node->is<sj::ir::FusionGroup>();
+
+  std::printf("LSTM cell forward+backward, batch %lld, input %lld, hidden %lld, float; ATen threads %d, "
+              "median of %d\n", (long long)B, (long long)I, (long long)H, at::get_num_threads(), reps);
+  std::printf("  first call (trace + compile): unfused %.0f ms, fused %.0f ms (%d fusion groups)\n",
+              first_unfused, first_fused, groups);
+  std::printf("                                            time        vs libtorch\n");
+  row("libtorch eager", t_torch, t_torch);
+  row("stagejit eager", t_eager, t_torch);
+  row("stagejit compiled, fusion off", t_unfused, t_torch);
+  row("stagejit compiled, fusion on", t_fused, t_torch);
+  std::printf("  max relative difference of the gradients to libtorch: %.2g\n", diff);
+  std::printf("  target: fused >= 1.3x libtorch (%s)\n", t_torch / t_fused >= 1.3 ? "met" : "NOT met");
+}
+
+// About `n` forward nodes: a chain where every fourth step also reuses an older value
+// (fan-out), mixing unary and binary elementwise ops.
+sj::variable_list chain(const sj::variable_list& in, int n) {
+  sj::Variable x = in[0], y = in[1], older = in[0];
+  for (int i = 0; i < n; ++i) {
+    switch (i % 4) {
+      case 0: x = x * y; break;
+      case 1: x = sj::tanh(x); break;
+      case 2: x = x + older; break;
+      default: older = x; x = sj::sigmoid(x) - 0.5; ++i; break;  // two nodes
+    }
+  }
+  return {sj::sum(x)};
+}
+
+void compile_scaling() {
+  std::printf("\ntrace + compile time of generated graphs (forward + one backward stage, [8] doubles)\n");
+  std::printf("  %8s %8s %10s %10s %10s %10s %10s %12s\n", "fwd ops", "nodes", "trace ms",
+              "passes ms", "fuser ms", "closure ms", "total ms", "us per node");
+  for (int n : {100, 1000, 10000}) {
+    sj::variable_list in = {sj::Variable(at::rand({8}, at::kDouble), true),
+                            sj::Variable(at::rand({8}, at::kDouble), true)};
+    auto fn = [n](const sj::variable_list& v) { return chain(v, n); };
+    // Best of three rounds of each phase (the first round also pays first-touch page faults).
+    double t_trace = 1e30, t_passes = 1e30, t_fuse = 1e30, t_closure = 1e30;
+    std::size_t nodes = 0;
+    for (int round = 0; round < 3; ++round) {
+      sj::Trace tr;
+      t_trace = std::min(t_trace, once_ms([&] { tr = sj::trace(fn, {in[0], in[1]}, {.derivatives = 1}); }));
+      auto g = tr.graph();
+      t_passes = std::min(t_passes, once_ms([&] {
+        sj::passes::eliminate_dead_code(*g);
+        sj::passes::eliminate_common_subexpressions(*g);
+        sj::passes::eliminate_dead_code(*g);
+      }));
+      nodes = g->nodes().size();
+      auto gf = g->clone();
+      // The fuser pass alone (grouping); kernels are generated and compiled at run time.
+      t_fuse = std::min(t_fuse, once_ms([&] { sj::passes::fuse(*gf); }));
+      t_closure = std::min(t_closure, once_ms([&] { sj::closure::MultiStageClosure c(g, tr); }));
+    }
+    const double total = t_trace + t_passes + t_fuse + t_closure;
+    std::printf("  %8d %8zu %10.2f %10.2f %10.2f %10.2f %10.2f %12.2f\n", n, nodes, t_trace, t_passes,
+                t_fuse, t_closure, total, total * 1e3 / double(nodes));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 30;
+  std::string part = "all";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--part")) part = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--threads")) at::set_num_threads(std::atoi(argv[i + 1]));
+    else {
+      std::fprintf(stderr, "usage: %s [--reps R] [--threads T] [--part all|lstm|compile]\n", argv[0]);
+      return 1;
+    }
+  }
+  if (part == "all" || part == "lstm") lstm(reps);
+  if (part == "all" || part == "compile") compile_scaling();
+  return 0;
+}
