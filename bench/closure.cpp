@@ -9,7 +9,8 @@
 //    split into trace, passes (DCE + CSE), fuser and closure build, best of three rounds;
 //    per-node cost should stay flat (linear growth).
 // Options: --reps R (default 30), --threads T (ATen intra-op threads; default ATen's),
-// --part all|lstm|compile (default all).
+// --part all|lstm|compile (default all). With $STAGEJIT_BENCH_PRINT_GRAPH set, prints
+// the LSTM cell's compiled graphs.
 #include <stagejit/stagejit.hpp>
 #include <torch/torch.h>
 
@@ -71,6 +72,9 @@ void lstm(int reps) {
   }
   int groups = 0;
   for (auto* node : fused.graph_for(in)->nodes()) groups += node->is<sj::ir::FusionGroup>();
+  if (std::getenv("STAGEJIT_BENCH_PRINT_GRAPH"))
+    std::printf("%s\n%s\n", sj::ir::to_string(*unfused.graph_for(in)).c_str(),
+                sj::ir::to_string(*fused.graph_for(in)).c_str());
 
   std::printf("LSTM cell forward+backward, batch %lld, input %lld, hidden %lld, float; ATen threads %d, "
               "median of %d\n", (long long)B, (long long)I, (long long)H, at::get_num_threads(), reps);
