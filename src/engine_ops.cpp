@@ -110,6 +110,21 @@ const Variable& G(const BackwardArgs& a, std::size_t i = 0) { return a.grads[i];
 const Variable& In(const BackwardArgs& a, std::size_t i) { return a.inputs[i]; }
 const Variable& Out(const BackwardArgs& a, std::size_t i = 0) { return a.outputs[i]; }
 
+// Gradients of mm(m1, m2) with respect to m1 and m2, as libtorch's mm_mat1_backward /
+// mm_mat2_backward compute them: when the matrix was column-major (a transposed view, as
+// `t(W)` in a linear layer), the gradient is computed in that layout, so the gradient of
+// the parameter behind it comes out contiguous and an optimizer update reads it in order.
+bool column_major(const Variable& m) {
+  const at::Tensor& d = m.data();
+  return d.dim() == 2 && d.stride(0) == 1 && d.stride(1) == d.size(0);
+}
+Variable mm_mat1_grad(const Variable& g, const Variable& m1, const Variable& m2) {
+  return column_major(m1) ? t(mm(m2, t(g))) : mm(g, t(m2));
+}
+Variable mm_mat2_grad(const Variable& g, const Variable& m1, const Variable& m2) {
+  return column_major(m2) ? t(mm(t(g), m1)) : mm(t(m1), g);
+}
+
 Variable reduce_backward(const BackwardArgs& a) {
   auto sizes = meta_sizes(a, 0);
   Variable g = G(a);
@@ -370,8 +385,8 @@ std::vector<OpDef> build_table() {
   def({"mm", 2, 2, false, true, 0b11, false, "", "",
        [](const Tensors& in, const Attributes&) { return one(at::mm(in[0], in[1])); },
        [](const BackwardArgs& a) -> variable_list {
-         return {a.needs(0) ? mm(G(a), t(In(a, 1))) : Variable(),
-                 a.needs(1) ? mm(t(In(a, 0)), G(a)) : Variable()};
+         return {a.needs(0) ? mm_mat1_grad(G(a), In(a, 0), In(a, 1)) : Variable(),
+                 a.needs(1) ? mm_mat2_grad(G(a), In(a, 0), In(a, 1)) : Variable()};
        },
        "MmBackward"});
   def({"matmul", 2, 2, false, true, 0b11, false, "", "",
@@ -384,6 +399,17 @@ std::vector<OpDef> build_table() {
          if (y.dim() == 1) g = unsqueeze(g, -1);
          if (x.dim() == 1) g = unsqueeze(g, -2);
          variable_list r(2);
+         if (x2.dim() == 2 && y2.dim() == 2) {  // a plain matrix product: as mm
+           if (a.needs(0)) {
+             Variable gx = mm_mat1_grad(g, x2, y2);
+             r[0] = x.dim() == 1 ? reshape(gx, vec(x.sizes())) : gx;
+           }
+           if (a.needs(1)) {
+             Variable gy = mm_mat2_grad(g, x2, y2);
+             r[1] = y.dim() == 1 ? reshape(gy, vec(y.sizes())) : gy;
+           }
+           return r;
+         }
          if (a.needs(0)) {
            Variable gx = sum_to_size(matmul(g, transpose(y2, -1, -2)), vec(x2.sizes()));
            r[0] = x.dim() == 1 ? reshape(gx, vec(x.sizes())) : gx;
@@ -405,11 +431,11 @@ std::vector<OpDef> build_table() {
          variable_list r(3);
          if (a.needs(0)) r[0] = beta == 1 ? G(a) : mul(G(a), beta);
          if (a.needs(1)) {
-           r[1] = mm(G(a), t(In(a, 2)));
+           r[1] = mm_mat1_grad(G(a), In(a, 1), In(a, 2));
            if (alpha != 1) r[1] = mul(r[1], alpha);
          }
          if (a.needs(2)) {
-           r[2] = mm(t(In(a, 1)), G(a));
+           r[2] = mm_mat2_grad(G(a), In(a, 1), In(a, 2));
            if (alpha != 1) r[2] = mul(r[2], alpha);
          }
          return r;

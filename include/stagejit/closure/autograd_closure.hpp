@@ -42,6 +42,9 @@ struct MultiStageClosure {
   std::vector<StageClosure> stages;
   std::vector<StageFlags> flags;                      ///< per stage, from the trace
   std::vector<std::vector<std::size_t>> gradient_of;  ///< per stage, from the trace
+  /// Run a stage's independent branches on the engine's worker threads
+  /// (`CompileOptions::inter_op_parallel`); false: on the calling thread only.
+  bool inter_op_parallel = false;
 
   /// Builds every stage's closure. `graph` is the optimised graph of `trace` (same
   /// inputs and outputs). Throws `CompileError` (see StageClosure).
@@ -136,6 +139,7 @@ class StageCall final : public ClosureImpl {
     ExecuteOptions options;
     options.create_graph = false;
     options.keep_graph = true;
+    options.single_threaded = !d.inter_op_parallel;
     execute(sc.roots, leaves, options, callbacks);
     state.outputs.resize(sc.num_outputs);
   }

@@ -34,6 +34,11 @@ struct CompileOptions {
   bool optimize = true;
   /// Fuse elementwise chains of each stage into generated CPU kernels (`passes::fuse`).
   bool fuse = true;
+  /// Run independent branches of a compiled stage on the engine's worker threads
+  /// (`STAGEJIT_NUM_THREADS`). Off by default: ATen and BLAS already parallelise inside
+  /// each op, and running branches concurrently on top of that oversubscribes the cores
+  /// (bench/closure.md). Turn it on for stages with many independent single-threaded ops.
+  bool inter_op_parallel = false;
 };
 
 /// A function compiled by `compile`. Copies share one cache.
@@ -122,7 +127,9 @@ class CompiledFunction {
     }
     if (o.fuse) passes::fuse(*g);
     auto entry = std::make_shared<Entry>();
-    entry->closure = std::make_shared<closure::MultiStageClosure>(g, tr);
+    auto msc = std::make_shared<closure::MultiStageClosure>(g, tr);
+    msc->inter_op_parallel = o.inter_op_parallel;
+    entry->closure = std::move(msc);
     std::lock_guard<std::mutex> lock(state_->mutex);
     auto [it, inserted] = state_->cache.emplace(std::move(spec), entry);
     return it->second;
