@@ -119,9 +119,11 @@ class Value {
   Value(Node* node, size_t offset, size_t id, Type type)
       : node_(node), offset_(offset), id_(id), type_(std::move(type)) {}
   void remove_use(Node* user, size_t offset) {
-    auto it = std::find(uses_.begin(), uses_.end(), Use{user, offset});
-    STAGEJIT_ASSERT(it != uses_.end(), "use list out of sync");
-    uses_.erase(it);
+    // Searched from the back: passes remove nodes latest first (DCE, the fuser), and a
+    // later node's use was appended later, so a value with many uses is not rescanned.
+    auto rit = std::find(uses_.rbegin(), uses_.rend(), Use{user, offset});
+    STAGEJIT_ASSERT(rit != uses_.rend(), "use list out of sync");
+    uses_.erase(std::next(rit).base());
   }
 
   Node* node_;
@@ -340,8 +342,10 @@ class Graph {
     Node* param = new_node(Param{}, stage);
     Value* v = param->add_output(std::move(type));
     v->set_name(std::move(name));
-    auto pos = std::find_if(inputs_.begin(), inputs_.end(),
-                            [&](Value* in) { return in->stage() > stage; });
+    // Inputs are sorted by stage: the first input of a later stage is found by binary
+    // search (appending, the common case, stays O(log n)).
+    auto pos = std::upper_bound(inputs_.begin(), inputs_.end(), stage,
+                                [](size_t s, const Value* in) { return s < in->stage(); });
     inputs_.insert(pos, v);
     return v;
   }

@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -49,6 +50,14 @@ inline size_t cse_hash(const ir::Node* n) {
   if (auto c = n->get_if<ir::Constant>()) {
     mix(static_cast<size_t>(c->value.scalar_type()));
     for (auto s : c->value.sizes()) mix(static_cast<size_t>(s));
+    // Small CPU constants (the scalars a trace records) also hash their bytes, so many
+    // constants of one shape do not share a bucket (that made CSE quadratic).
+    const at::Tensor& t = c->value;
+    if (t.defined() && t.device().is_cpu() && t.is_contiguous() && t.numel() <= 64 && !t.is_quantized()) {
+      const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
+      mix(std::hash<std::string_view>{}(
+          std::string_view(reinterpret_cast<const char*>(bytes), t.numel() * t.element_size())));
+    }
   }
   for (const ir::Value* v : n->inputs()) mix(v->id());
   mix(n->outputs().size());
