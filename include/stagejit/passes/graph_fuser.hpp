@@ -200,32 +200,44 @@ inline size_t fuse(ir::Graph& graph) {
       }
   }
   const std::vector<ir::Node*> nodes = graph.nodes();
-  std::unordered_map<const ir::Node*, size_t> pos;
-  for (size_t i = 0; i < nodes.size(); ++i) pos[nodes[i]] = i;
+  // Per-node state in dense arrays indexed by node id (hash sets made the pass slow on
+  // large graphs: cache misses and an allocation per anchor).
+  size_t max_id = graph.return_node()->id();
+  for (const ir::Node* n : nodes) max_id = std::max(max_id, n->id());
+  for (const ir::Value* v : graph.inputs()) max_id = std::max(max_id, v->node()->id());
+  constexpr size_t npos = static_cast<size_t>(-1);
+  std::vector<size_t> pos(max_id + 1, npos);  // listed node -> its position
+  for (size_t i = 0; i < nodes.size(); ++i) pos[nodes[i]->id()] = i;
+  auto listed = [&](const ir::Node* n) { return n->id() <= max_id && pos[n->id()] != npos; };
   auto position = [&](const ir::Node* n) {
-    auto it = pos.find(n);
-    return it == pos.end() ? nodes.size() : it->second;  // the Return node comes last
+    return listed(n) ? pos[n->id()] : nodes.size();  // the Return node comes last
   };
-  std::unordered_set<const ir::Node*> taken;
-  std::unordered_map<const ir::Node*, size_t> placed_at;  // member of a group -> its anchor's position
+  std::vector<size_t> placed_at(max_id + 1, npos);  // member of a group -> its anchor's position
+  auto taken = [&](const ir::Node* n) { return n->id() <= max_id && placed_at[n->id()] != npos; };
+  // Stamps: in_group[id] == stamp / queued[id] == stamp for the current anchor.
+  std::vector<uint32_t> in_group(max_id + 1, 0), queued(max_id + 1, 0);
+  uint32_t stamp = 0;
+  auto is_member = [&](const ir::Node* n) { return n->id() <= max_id && in_group[n->id()] == stamp; };
   std::vector<std::vector<ir::Node*>> groups;
+  std::vector<ir::Node*> heap;
   for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
     ir::Node* anchor = *it;
-    if (taken.count(anchor) || !detail::is_fusable(*anchor)) continue;
+    if (taken(anchor) || !detail::is_fusable(*anchor)) continue;
+    ++stamp;
     std::vector<ir::Node*> members{anchor};
-    std::unordered_set<const ir::Node*> in_group{anchor};
+    in_group[anchor->id()] = stamp;
     const size_t anchor_pos = position(anchor);
     // Candidate producers, latest first (a max-heap on position). A candidate rejected
     // when popped can never become acceptable later: the only way would be for one of
     // its outside users (which come after it) to join the group, but every candidate
     // after it has already been decided and later members come before it.
     auto later = [&](const ir::Node* a, const ir::Node* b) { return position(a) < position(b); };
-    std::vector<ir::Node*> heap;
-    std::unordered_set<const ir::Node*> queued;
+    heap.clear();
     auto push_producers = [&](const ir::Node* m) {
       for (ir::Value* v : m->inputs()) {
         ir::Node* p = v->node();
-        if (!pos.count(p) || !queued.insert(p).second) continue;
+        if (!listed(p) || queued[p->id()] == stamp) continue;
+        queued[p->id()] = stamp;
         heap.push_back(p);
         std::push_heap(heap.begin(), heap.end(), later);
       }
@@ -235,27 +247,22 @@ inline size_t fuse(ir::Graph& graph) {
       std::pop_heap(heap.begin(), heap.end(), later);
       ir::Node* p = heap.back();
       heap.pop_back();
-      if (in_group.count(p) || taken.count(p) || !detail::is_fusable(*p) ||
-          p->stage() != anchor->stage())
+      if (is_member(p) || taken(p) || !detail::is_fusable(*p) || p->stage() != anchor->stage())
         continue;
       bool ok = true, outside = false;
       for (const ir::Use& u : p->output()->uses()) {
-        if (in_group.count(u.user)) continue;
+        if (is_member(u.user)) continue;
         outside = true;
         // A user already in a group runs where that group is placed (its anchor).
-        auto placed = placed_at.find(u.user);
-        ok = ok && (placed != placed_at.end() ? placed->second : position(u.user)) > anchor_pos;
+        ok = ok && (taken(u.user) ? placed_at[u.user->id()] : position(u.user)) > anchor_pos;
       }
       if (!ok || (outside && !detail::compatible_sizes(p->output(), anchor->output()))) continue;
       members.push_back(p);
-      in_group.insert(p);
+      in_group[p->id()] = stamp;
       push_producers(p);
     }
     if (members.size() < 2) continue;
-    for (ir::Node* m : members) {
-      taken.insert(m);
-      placed_at.emplace(m, anchor_pos);
-    }
+    for (ir::Node* m : members) placed_at[m->id()] = anchor_pos;
     std::sort(members.begin(), members.end(),
               [&](const ir::Node* a, const ir::Node* b) { return position(a) < position(b); });
     groups.push_back(std::move(members));
