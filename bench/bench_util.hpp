@@ -1,6 +1,9 @@
 #pragma once
-// Timing helpers shared by the benchmarks: median wall time of repeated runs after a
-// warm-up, in milliseconds, and a fixed-width table row. Not part of the library.
+// Helpers shared by the benchmarks: median wall time of repeated runs after a warm-up,
+// in milliseconds, a fixed-width table row, and the relative difference used to check
+// results against libtorch. Not part of the library.
+#include <ATen/ATen.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -34,6 +37,11 @@ inline double once_ms(const std::function<void()>& f) {
 /// `  name   time ms   speed-up vs reference` (speed-up = reference / time).
 inline void row(const char* name, double ms, double reference_ms) {
   std::printf("  %-36s %9.3f ms   %6.2fx\n", name, ms, reference_ms / ms);
+}
+
+/// max |x - ref| / max |ref| (ref all zeros: divided by 1e-30).
+inline double max_rel_diff(const at::Tensor& x, const at::Tensor& ref) {
+  return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item<double>();
 }
 
 }  // namespace stagejit::bench

@@ -25,15 +25,12 @@
 #include <string>
 
 namespace sj = stagejit;
+using sj::bench::max_rel_diff;
 using sj::bench::median_ms;
 using sj::bench::once_ms;
 using sj::bench::row;
 
 namespace {
-
-double max_rel_diff(const at::Tensor& x, const at::Tensor& ref) {
-  return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item<double>();
-}
 
 void lstm(int reps) {
   const int64_t B = 64, I = 512, H = 512;

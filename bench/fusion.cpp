@@ -21,6 +21,7 @@
 #include <string>
 
 namespace sj = stagejit;
+using sj::bench::max_rel_diff;
 using sj::bench::median_ms;
 using sj::bench::row;
 
@@ -29,10 +30,6 @@ namespace {
 template <class T>
 T model(const T& a, const T& b, const T& c) {
   return tanh(a * b + c) * sigmoid(a);
-}
-
-double max_rel_diff(const at::Tensor& x, const at::Tensor& ref) {
-  return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item<double>();
 }
 
 }  // namespace
