@@ -313,9 +313,9 @@ RunResult train(Mode mode, const Options& o, const Params& init, const Split& tr
     auto y = train_set.labels.narrow(0, 0, o.batch_size).clone();
     auto w0 = std::chrono::steady_clock::now();
     for (int i = 0; i < o.warmup; ++i) stepper.step(x, y, scratch, scratch_grads);
-    std::printf("[%s] %d warm-up step(s): %.0f ms (includes the trace and compile)\n",
-                mode_name(mode), o.warmup,
-                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - w0).count());
+    std::printf("[%s] %d warm-up step(s): %.0f ms%s\n", mode_name(mode), o.warmup,
+                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - w0).count(),
+                mode == Mode::Compiled ? " (includes the trace and compile)" : "");
   }
   for (int epoch = 1; epoch <= o.epochs; ++epoch) {
     std::iota(order.begin(), order.end(), 0);

@@ -131,6 +131,12 @@ int main(int argc, char** argv) {
   } catch (const stagejit::Error& e) {
     std::cerr << file << ": " << e.what() << "\n";
     return 2;
+  } catch (const c10::Error& e) {  // ATen refusing a declared input type (--stage)
+    std::cerr << file << ": " << e.what_without_backtrace() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << file << ": " << e.what() << "\n";
+    return 2;
   }
   return 0;
 }

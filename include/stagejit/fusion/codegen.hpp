@@ -334,7 +334,13 @@ inline std::vector<at::Tensor> run_planned(const GroupPlan& plan, const ir::Grap
   for (at::ScalarType dt : plan.output_dtypes) outputs.push_back(empty_cached(plan.shape, dt));
   if (plan.kernel) {
     std::vector<at::Tensor> ins(inputs.begin(), inputs.end());
-    PackedArgs args = pack_tensor_args(plan.shape, ins, outputs);
+    PackedArgs args;
+    try {
+      args = pack_tensor_args(plan.shape, ins, outputs);
+    } catch (const FusionError& e) {  // e.g. more dimensions than the launch ABI holds
+      warn_fallback(group_name, text, e.what());
+      return run_unfused(subgraph, inputs);
+    }
     plan.kernel->run(args);
   }
   return outputs;
@@ -409,8 +415,12 @@ class FusedGroup {
       CpuBackend& backend = backend_ ? *backend_ : default_cpu_backend();
       plan = std::make_shared<const detail::GroupPlan>(detail::plan_group(*subgraph_, text_, inputs, backend));
       std::lock_guard<std::mutex> lock(mutex_);
-      if (plans_.size() >= kMaxPlans) plans_.erase(plans_.begin());
-      plans_.emplace_back(std::move(sig), plan);
+      bool present = false;  // another thread may have planned this signature meanwhile
+      for (const auto& entry : plans_) present = present || entry.first == sig;
+      if (!present) {
+        if (plans_.size() >= kMaxPlans) plans_.erase(plans_.begin());
+        plans_.emplace_back(std::move(sig), plan);
+      }
     }
     return detail::run_planned(*plan, *subgraph_, text_, inputs, name_);
   }

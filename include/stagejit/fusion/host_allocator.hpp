@@ -9,8 +9,8 @@
 /// of at least `kMinCachedBytes` in per-size free lists and hands them out again, as
 /// PyTorch's CUDA caching allocator does for device memory; smaller requests go to the
 /// default CPU allocator (glibc already caches them). The cache holds at most
-/// `capacity()` bytes of free blocks (default 1 GiB, `$STAGEJIT_HOST_CACHE_MB`); beyond
-/// it freed blocks go back to the system. `empty_cache()` releases every free block.
+/// `capacity()` bytes of free blocks (default 1 GiB, `$STAGEJIT_HOST_CACHE_MB`, a
+/// non-negative integer); beyond it freed blocks go back to the system. `empty_cache()` releases every free block.
 ///
 /// Only tensors stagejit itself allocates (fused kernel outputs) come from here; ATen's
 /// own operators keep ATen's allocator. Blocks are 64-byte aligned like c10's. Thread-safe.
@@ -21,8 +21,11 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdlib>
+#include <iterator>
+#include <limits>
 #include <mutex>
 #include <new>
 #include <unordered_map>
@@ -71,14 +74,27 @@ class HostCachingAllocator final : public c10::Allocator {
   }
 
   /// Bytes of free blocks kept at most.
-  std::size_t capacity() const noexcept { return capacity_; }
-  /// Sets the capacity (bytes); frees cached blocks above it.
+  std::size_t capacity() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return capacity_;
+  }
+  /// Sets the capacity (bytes) and frees cached blocks until the cache fits in it.
   void set_capacity(std::size_t bytes) {
+    std::vector<void*> release;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       capacity_ = bytes;
+      for (auto it = free_.begin(); it != free_.end() && stats_.cached_bytes > capacity_;) {
+        auto& blocks = it->second;
+        while (!blocks.empty() && stats_.cached_bytes > capacity_) {
+          release.push_back(blocks.back());
+          blocks.pop_back();
+          stats_.cached_bytes -= it->first;
+        }
+        it = blocks.empty() ? free_.erase(it) : std::next(it);
+      }
     }
-    if (stats().cached_bytes > bytes) empty_cache();
+    for (void* p : release) std::free(p);
   }
 
   Stats stats() const {
@@ -93,10 +109,13 @@ class HostCachingAllocator final : public c10::Allocator {
   };
 
   HostCachingAllocator() {
-    if (const char* env = std::getenv("STAGEJIT_HOST_CACHE_MB")) {
+    // A non-negative number of MiB; anything else (or an overflowing value) is ignored.
+    if (const char* env = std::getenv("STAGEJIT_HOST_CACHE_MB"); env && *env >= '0' && *env <= '9') {
       char* end = nullptr;
+      errno = 0;
       const unsigned long long mb = std::strtoull(env, &end, 10);
-      if (end != env) capacity_ = static_cast<std::size_t>(mb) << 20;
+      if (errno == 0 && *end == '\0' && mb <= (std::numeric_limits<std::size_t>::max() >> 20))
+        capacity_ = static_cast<std::size_t>(mb) << 20;
     }
   }
 
@@ -116,15 +135,20 @@ class HostCachingAllocator final : public c10::Allocator {
       }
       stats_.in_use_bytes += size;
     }
-    if (!ptr) {
-      ptr = std::aligned_alloc(64, size);
+    Block* block = nullptr;
+    try {
       if (!ptr) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        stats_.in_use_bytes -= size;
-        throw std::bad_alloc();
+        ptr = std::aligned_alloc(64, size);
+        if (!ptr) throw std::bad_alloc();
       }
+      block = new Block{ptr, size};
+    } catch (...) {
+      if (ptr) std::free(ptr);
+      std::lock_guard<std::mutex> lock(mutex_);
+      stats_.in_use_bytes -= size;
+      throw;
     }
-    return c10::DataPtr(ptr, new Block{ptr, size}, &HostCachingAllocator::free_block,
+    return c10::DataPtr(ptr, block, &HostCachingAllocator::free_block,
                         c10::Device(c10::DeviceType::CPU));
   }
 

@@ -53,7 +53,8 @@ inline size_t cse_hash(const ir::Node* n) {
     // Small CPU constants (the scalars a trace records) also hash their bytes, so many
     // constants of one shape do not share a bucket (that made CSE quadratic).
     const at::Tensor& t = c->value;
-    if (t.defined() && t.device().is_cpu() && t.is_contiguous() && t.numel() <= 64 && !t.is_quantized()) {
+    if (t.defined() && t.layout() == at::kStrided && t.has_storage() && t.device().is_cpu() &&
+        !t.is_quantized() && t.is_contiguous() && t.numel() <= 64) {
       const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
       mix(std::hash<std::string_view>{}(
           std::string_view(reinterpret_cast<const char*>(bytes), t.numel() * t.element_size())));
