@@ -2,9 +2,11 @@
 //
 // 1. LSTM cell (batch 64, input 512, hidden 512, float; test/support/models.hpp)
 //    forward + backward (gradients of all six inputs for grad outputs of ones):
-//    stagejit compile() with fusion off and on (and on with inter_op_parallel), stagejit
-//    eager (the engine's pool runs independent branches), libtorch eager; median
-//    times (ms) and speed-ups over libtorch eager, results checked against libtorch.
+//    stagejit compile() with fusion off and on (and on with inter_op_parallel, and on
+//    without the host memory cache), stagejit eager (the engine's pool runs independent
+//    branches), libtorch eager, and libtorch eager inside a fusion::HostCacheScope (what
+//    the allocator alone would give libtorch); median times (ms) and speed-ups over
+//    libtorch eager, results checked against libtorch.
 // 2. Trace + compile time of generated graphs of about 100, 1 000 and 10 000 forward
 //    nodes (a chain of elementwise ops with fan-out on [8] doubles, one backward stage),
 //    split into trace, passes (DCE + CSE), fuser and closure build, best of three rounds;
@@ -47,10 +49,12 @@ void lstm(int reps) {
   auto unfused = sj::compile(fn, {.derivatives = 1, .fuse = false});
   auto fused = sj::compile(fn, {.derivatives = 1, .fuse = true});
   auto fused_par = sj::compile(fn, {.derivatives = 1, .fuse = true, .inter_op_parallel = true});
+  auto fused_nocache = sj::compile(fn, {.derivatives = 1, .fuse = true, .cache_host_memory = false});
   auto sj_step = [&](sj::CompiledFunction& f) { return sj::grad(f(in), in, gouts); };
   const double first_unfused = once_ms([&] { sj_step(unfused); });
   const double first_fused = once_ms([&] { sj_step(fused); });
   sj_step(fused_par);
+  sj_step(fused_nocache);
 
   std::vector<torch::Tensor> leaves;
   for (auto& d : data) leaves.push_back(d.detach().requires_grad_(true));
@@ -60,14 +64,19 @@ void lstm(int reps) {
   };
 
   const double t_torch = median_ms([&] { torch_step(); }, reps);
+  const double t_torch_cached = median_ms([&] {
+    sj::fusion::HostCacheScope scope;
+    torch_step();
+  }, reps);
   const double t_eager = median_ms([&] { sj::grad(sj::testing::lstm_cell(in), in, gouts); }, reps);
   const double t_unfused = median_ms([&] { sj_step(unfused); }, reps);
   const double t_fused = median_ms([&] { sj_step(fused); }, reps);
   const double t_fused_par = median_ms([&] { sj_step(fused_par); }, reps);
+  const double t_fused_nocache = median_ms([&] { sj_step(fused_nocache); }, reps);
 
   double diff = 0;
   auto want = torch_step();
-  for (auto* f : {&unfused, &fused, &fused_par}) {
+  for (auto* f : {&unfused, &fused, &fused_par, &fused_nocache}) {
     auto got = sj_step(*f);
     for (std::size_t i = 0; i < got.size(); ++i) diff = std::max(diff, max_rel_diff(got[i].data(), want[i]));
   }
@@ -83,10 +92,12 @@ void lstm(int reps) {
               first_unfused, first_fused, groups);
   std::printf("                                            time        vs libtorch\n");
   row("libtorch eager", t_torch, t_torch);
+  row("libtorch eager, HostCacheScope", t_torch_cached, t_torch);
   row("stagejit eager", t_eager, t_torch);
   row("stagejit compiled, fusion off", t_unfused, t_torch);
   row("stagejit compiled, fusion on", t_fused, t_torch);
   row("  ... and inter-op parallel", t_fused_par, t_torch);
+  row("  ... without the host memory cache", t_fused_nocache, t_torch);
   std::printf("  max relative difference of the gradients to libtorch: %.2g\n", diff);
   std::printf("  target: fused >= 1.3x libtorch (%s)\n", t_torch / t_fused >= 1.3 ? "met" : "NOT met");
 }

@@ -18,6 +18,7 @@
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
 #include <stagejit/core/error.hpp>
+#include <stagejit/fusion/host_allocator.hpp>
 #include <stagejit/ops/ops.hpp>
 
 #include <c10/util/Exception.h>
@@ -64,6 +65,7 @@ struct GraphTask {
   bool create_graph = false;
   bool keep_graph = true;
   bool single_threaded = false;
+  bool cache_host_memory = false;
   TraceHook* hook = nullptr;
   const ExecuteCallbacks* callbacks = nullptr;
   // capture edges: node index -> list of (input_nr, result slot)
@@ -172,6 +174,7 @@ void gather(GraphTask& task, uint32_t idx) {
 
 variable_list call_function(GraphTask& task, Function& fn, variable_list inputs) {
   const std::size_t n = fn.next_functions.size();
+  fusion::HostCacheScope host_cache(task.cache_host_memory);
   const ExecuteCallbacks* cbs = task.callbacks;
   if (cbs && !cbs->pre.empty()) {
     auto range = cbs->pre.equal_range(&fn);
@@ -326,6 +329,7 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
   task.create_graph = options.create_graph;
   task.keep_graph = options.keep_graph;
   task.single_threaded = options.single_threaded || !Pool::get().has_workers();
+  task.cache_host_memory = options.cache_host_memory;
   task.hook = current_trace_hook();
   task.callbacks = callbacks.empty() && !callbacks.state ? nullptr : &callbacks;
 

@@ -252,6 +252,47 @@ TEST_SUITE("closure") {
     CHECK(failures == 0);
   }
 
+  TEST_CASE("memory: compiled stages reuse large CPU blocks (cache_host_memory), also from 4 threads") {
+    auto& cache = sj::fusion::HostCachingAllocator::get();
+    auto body = [](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::sum(sj::tanh(sj::mm(in[0], in[1])) * in[0])};
+    };
+    auto xd = at::randn({128, 128}, at::kDouble);  // 128 KiB: above the cache's threshold
+    auto wd = at::randn({128, 128}, at::kDouble) * 0.1;
+    auto tx = xd.clone().requires_grad_(true), tw = wd.clone().requires_grad_(true);
+    auto want = torch::autograd::grad({at::sum(at::tanh(at::mm(tx, tw)) * tx)}, {tx, tw});
+    auto step = [&](sj::CompiledFunction& f) {
+      sj::variable_list in = {sj::Variable(xd, true), sj::Variable(wd, true)};
+      return sj::grad(f(in), in);
+    };
+    auto check = [&](const sj::variable_list& g) {
+      return max_abs_diff(g[0].data(), want[0]) <= 1e-10 && max_abs_diff(g[1].data(), want[1]) <= 1e-10;
+    };
+    auto off = sj::compile(body, {.cache_host_memory = false});
+    step(off);
+    auto before = cache.stats();
+    CHECK(check(step(off)));
+    CHECK(cache.stats().hits == before.hits);
+    CHECK(cache.stats().misses == before.misses);
+
+    auto on = sj::compile(body);
+    CHECK(check(step(on)));  // compiles, fills the cache
+    before = cache.stats();
+    CHECK(check(step(on)));
+    CHECK(cache.stats().hits > before.hits);  // the second call reuses blocks
+    CHECK(cache.stats().misses == before.misses);
+
+    std::atomic<int> failures{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t)
+      threads.emplace_back([&] {
+        for (int i = 0; i < 50; ++i)
+          if (!check(step(on))) ++failures;
+      });
+    for (auto& th : threads) th.join();
+    CHECK(failures == 0);
+  }
+
   TEST_CASE("memory: captured tensors are freed when outputs are dropped (backward or not)") {
     auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
       return {sj::sum(sj::tanh(in[0]) * sj::exp(in[0]))};

@@ -216,7 +216,7 @@ TEST_SUITE("fusion") {
                          stagejit::FusionError);
   }
 
-  TEST_CASE("HostCachingAllocator: freed blocks of 1 MiB or more are reused, small ones are not cached") {
+  TEST_CASE("HostCachingAllocator: freed blocks of 64 KiB or more are reused, small ones are not cached") {
     auto& alloc = fusion::HostCachingAllocator::get();
     alloc.empty_cache();
     const auto before = alloc.stats();
@@ -246,5 +246,48 @@ TEST_SUITE("fusion") {
     again = at::Tensor();
     CHECK(alloc.stats().cached_bytes == 0);
     alloc.set_capacity(capacity);
+  }
+
+  TEST_CASE("HostCacheScope routes ATen's large CPU allocations through the cache, only inside the scope") {
+    auto& alloc = fusion::HostCachingAllocator::get();
+    REQUIRE(fusion::install_host_cache());
+    CHECK(fusion::install_host_cache());  // idempotent
+    alloc.empty_cache();
+    const auto before = alloc.stats();
+    // Outside a scope: c10's default allocator, the cache is not involved.
+    { at::Tensor t = at::empty({1 << 15}, at::kFloat); }  // 128 KiB
+    CHECK(alloc.stats().misses == before.misses);
+    CHECK(alloc.stats().cached_bytes == 0);
+    void* first = nullptr;
+    at::Tensor kept;
+    {
+      fusion::HostCacheScope scope;
+      CHECK(fusion::HostCacheScope::active());
+      {
+        at::Tensor t = at::ones({256, 128}, at::kFloat);  // 128 KiB, made by an ATen op
+        first = t.data_ptr();
+        CHECK(reinterpret_cast<uintptr_t>(first) % 64 == 0);
+        CHECK(alloc.stats().misses == before.misses + 1);
+        CHECK(t.sum().item<double>() == 256.0 * 128.0);
+      }
+      CHECK(alloc.stats().cached_bytes == (128u << 10));
+      kept = at::zeros({1 << 15}, at::kFloat);  // same byte size: the freed block again
+      CHECK(kept.data_ptr() == first);
+      CHECK(alloc.stats().hits == before.hits + 1);
+      // Small tensors and raw allocations still work; raw blocks of either kind free.
+      { at::Tensor small = at::ones({8}); CHECK(small.sum().item<double>() == 8.0); }
+      c10::Allocator* cpu = c10::GetCPUAllocator();
+      void* raw_big = cpu->raw_allocate(1 << 20);
+      void* raw_small = cpu->raw_allocate(64);
+      cpu->raw_deallocate(raw_big);
+      cpu->raw_deallocate(raw_small);
+      { fusion::HostCacheScope nested(false); CHECK(fusion::HostCacheScope::active()); }
+    }
+    CHECK_FALSE(fusion::HostCacheScope::active());
+    // A block handed out inside the scope may be freed outside it.
+    kept = at::Tensor();
+    CHECK(alloc.stats().in_use_bytes == before.in_use_bytes);
+    alloc.empty_cache();
+    CHECK(alloc.stats().cached_bytes == 0);
   }
 }

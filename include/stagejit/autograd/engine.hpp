@@ -23,6 +23,10 @@ struct ExecuteOptions {
   bool keep_graph = true;
   /// Run everything on the calling thread in a deterministic order (the tracer uses it).
   bool single_threaded = false;
+  /// Run each function inside a `fusion::HostCacheScope`: large CPU tensors it allocates
+  /// come from `fusion::HostCachingAllocator` (compiled stages set this; see
+  /// fusion/host_allocator.hpp).
+  bool cache_host_memory = false;
   /// Edges whose incoming gradient `execute` returns (summed), in this order. When
   /// non-empty, only functions on a path to one of them run, and the functions of these
   /// edges are not run unless another capture lies behind them.

@@ -45,6 +45,9 @@ struct MultiStageClosure {
   /// Run a stage's independent branches on the engine's worker threads
   /// (`CompileOptions::inter_op_parallel`); false: on the calling thread only.
   bool inter_op_parallel = false;
+  /// Run the stages' functions inside a `fusion::HostCacheScope`
+  /// (`CompileOptions::cache_host_memory`).
+  bool cache_host_memory = false;
 
   /// Builds every stage's closure. `graph` is the optimised graph of `trace` (same
   /// inputs and outputs). Throws `CompileError` (see StageClosure).
@@ -140,6 +143,7 @@ class StageCall final : public ClosureImpl {
     options.create_graph = false;
     options.keep_graph = true;
     options.single_threaded = !d.inter_op_parallel;
+    options.cache_host_memory = d.cache_host_memory;
     execute(sc.roots, leaves, options, callbacks);
     state.outputs.resize(sc.num_outputs);
   }

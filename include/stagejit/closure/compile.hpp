@@ -14,6 +14,7 @@
 #include <stagejit/closure/autograd_closure.hpp>
 #include <stagejit/core/arg_spec.hpp>
 #include <stagejit/core/error.hpp>
+#include <stagejit/fusion/host_allocator.hpp>
 #include <stagejit/passes/cse.hpp>
 #include <stagejit/passes/dce.hpp>
 #include <stagejit/passes/graph_fuser.hpp>
@@ -39,6 +40,14 @@ struct CompileOptions {
   /// each op, and running branches concurrently on top of that oversubscribes the cores
   /// (bench/closure.md). Turn it on for stages with many independent single-threaded ops.
   bool inter_op_parallel = false;
+  /// Large CPU tensors allocated while a compiled stage runs (outputs, saved values,
+  /// gradients; 64 KiB or more) come from `fusion::HostCachingAllocator`, which reuses
+  /// freed blocks instead of returning them to the system, as PyTorch's CUDA caching
+  /// allocator does. Installs the routing CPU allocator on first use (see
+  /// fusion/host_allocator.hpp; code outside compiled stages is unaffected). Free blocks
+  /// are kept up to `$STAGEJIT_HOST_CACHE_MB` (default 1024 MiB);
+  /// `fusion::HostCachingAllocator::get().empty_cache()` releases them.
+  bool cache_host_memory = true;
 };
 
 /// A function compiled by `compile`. Copies share one cache.
@@ -85,9 +94,13 @@ class CompiledFunction {
     std::shared_ptr<const closure::MultiStageClosure> closure;
   };
   struct State {
-    State(traced_fn f, CompileOptions o) : fn(std::move(f)), options(o) {}
+    State(traced_fn f, CompileOptions o)
+        : fn(std::move(f)), options(o),
+          // Installed here, typically before the threads that call the function start.
+          cache_host_memory(o.cache_host_memory && fusion::install_host_cache()) {}
     traced_fn fn;
     CompileOptions options;
+    bool cache_host_memory;
     std::mutex mutex;
     std::unordered_map<ArgSpec, std::shared_ptr<Entry>, ArgSpecHash> cache;
     std::atomic<std::size_t> hits{0}, misses{0};
@@ -129,6 +142,7 @@ class CompiledFunction {
     auto entry = std::make_shared<Entry>();
     auto msc = std::make_shared<closure::MultiStageClosure>(g, tr);
     msc->inter_op_parallel = o.inter_op_parallel;
+    msc->cache_host_memory = state_->cache_host_memory;
     entry->closure = std::move(msc);
     std::lock_guard<std::mutex> lock(state_->mutex);
     auto [it, inserted] = state_->cache.emplace(std::move(spec), entry);

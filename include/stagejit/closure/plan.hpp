@@ -37,20 +37,25 @@ class CrossStagePlan {
     for (ir::Value* v : graph.inputs()) stage_inputs_.at(v->stage()).push_back(v);
     for (std::size_t s = 0; s < S; ++s) stage_outputs_[s] = graph.stage_outputs(s);
 
+    // Per stage, which slots are already in its lists (dense by slot: a linear search of
+    // the lists made the plan quadratic in the number of cross-stage values).
+    std::vector<std::vector<char>> in_uses(S), in_caps(S), in_need(S);
+    auto add_once = [](std::vector<std::size_t>& list, std::vector<char>& seen, std::size_t slot) {
+      if (seen.size() <= slot) seen.resize(slot + 1, 0);
+      if (!seen[slot]) {
+        seen[slot] = 1;
+        list.push_back(slot);
+      }
+    };
     auto note_use = [&](ir::Value* v, std::size_t user_stage, const char* what) {
       std::size_t def = v->stage();
       STAGEJIT_CHECK_AS(CompileError, def <= user_stage, what, " of stage ", user_stage,
                         " uses %", v->id(), " of the later stage ", def);
       if (def == user_stage) return;
       std::size_t slot = slot_for(v);
-      auto& uses = uses_from_earlier_[user_stage];
-      if (std::find(uses.begin(), uses.end(), slot) == uses.end()) uses.push_back(slot);
-      auto& caps = captures_[def];
-      if (std::find(caps.begin(), caps.end(), slot) == caps.end()) caps.push_back(slot);
-      for (std::size_t s = def; s < user_stage; ++s) {
-        auto& need = needed_after_[s];
-        if (std::find(need.begin(), need.end(), slot) == need.end()) need.push_back(slot);
-      }
+      add_once(uses_from_earlier_[user_stage], in_uses[user_stage], slot);
+      add_once(captures_[def], in_caps[def], slot);
+      for (std::size_t s = def; s < user_stage; ++s) add_once(needed_after_[s], in_need[s], slot);
     };
     for (ir::Node* n : graph.nodes()) {
       STAGEJIT_CHECK_AS(CompileError, n->stage() < S, "node ", n->describe(), " has stage ",

@@ -57,6 +57,10 @@ struct StageClosure {
     auto factory = keep(make_function(ConstantFactory{}, {}, 1));
     callbacks.pre.emplace(output.get(), CaptureOutputs{});
 
+    // The positions of each stage output (a value may be returned more than once).
+    std::unordered_map<const ir::Value*, std::vector<uint32_t>> output_positions;
+    const auto& outs = plan.stage_outputs(s);
+    for (std::size_t j = 0; j < outs.size(); ++j) output_positions[outs[j]].push_back(static_cast<uint32_t>(j));
     // Where each value of this stage goes: (consumer, input slot) pairs.
     auto targets_of = [&](ir::Value* v) {
       std::vector<Edge> edges;
@@ -64,9 +68,8 @@ struct StageClosure {
         if (u.user->stage() != s || u.user == u.user->owning_graph()->return_node()) continue;
         edges.push_back(Edge{fn_of_.at(u.user), static_cast<uint32_t>(u.offset)});
       }
-      const auto& outs = plan.stage_outputs(s);
-      for (std::size_t j = 0; j < outs.size(); ++j)
-        if (outs[j] == v) edges.push_back(Edge{output, static_cast<uint32_t>(j)});
+      if (auto it = output_positions.find(v); it != output_positions.end())
+        for (uint32_t j : it->second) edges.push_back(Edge{output, j});
       return edges;
     };
     auto edge_to = [&](std::vector<Edge> edges) -> Edge {

@@ -320,7 +320,8 @@ inline GroupPlan plan_group(const ir::Graph& subgraph, const std::string& text,
   return plan;
 }
 
-/// Runs a planned group: allocates the outputs (from `HostCachingAllocator`) and runs the
+/// Runs a planned group: allocates the outputs (from `HostCachingAllocator` inside a
+/// `HostCacheScope`, as compiled stages run with `cache_host_memory`) and runs the
 /// kernel; or, for a fallback plan, warns once and runs the nodes one by one.
 inline std::vector<at::Tensor> run_planned(const GroupPlan& plan, const ir::Graph& subgraph,
                                            const std::string& text, const std::vector<at::Tensor>& inputs,
@@ -331,7 +332,9 @@ inline std::vector<at::Tensor> run_planned(const GroupPlan& plan, const ir::Grap
   }
   std::vector<at::Tensor> outputs;
   outputs.reserve(plan.output_dtypes.size());
-  for (at::ScalarType dt : plan.output_dtypes) outputs.push_back(empty_cached(plan.shape, dt));
+  for (at::ScalarType dt : plan.output_dtypes)
+    outputs.push_back(HostCacheScope::active() ? empty_cached(plan.shape, dt)
+                                               : at::empty(plan.shape, at::TensorOptions().dtype(dt)));
   if (plan.kernel) {
     std::vector<at::Tensor> ins(inputs.begin(), inputs.end());
     PackedArgs args;
@@ -350,7 +353,8 @@ inline std::vector<at::Tensor> run_planned(const GroupPlan& plan, const ir::Grap
 
 /// Runs a FusionGroup subgraph on `inputs` (one tensor per subgraph input, broadcastable
 /// to one shape): allocates the outputs (the broadcast shape, contiguous, from
-/// `HostCachingAllocator`; dtypes from `output_dtypes`), and runs the generated kernel
+/// `HostCachingAllocator` inside a `HostCacheScope`, else from ATen's allocator; dtypes
+/// from `output_dtypes`), and runs the generated kernel
 /// from the CPU backend (kernels cached in the process per backend, key and subgraph
 /// text). When no kernel can be used (anything `generate` refuses, or FusionError from
 /// the backend such as a missing compiler), runs the nodes one by one with `run_unfused`

@@ -1,20 +1,29 @@
 #pragma once
 /// \file
-/// `HostCachingAllocator`: a caching CPU allocator for the outputs of fused kernels.
+/// `HostCachingAllocator`: a caching CPU allocator for the tensors compiled code makes,
+/// and `HostCacheScope`, which routes ATen's own CPU allocations through it.
 ///
-/// A compiled function runs the same shapes call after call. With glibc, every CPU
-/// tensor of 32 MiB or more is a fresh `mmap` that the kernel zero-fills page by page on
-/// first touch and `munmap`s on free, so a fused kernel writing a 64 MiB output spends
-/// most of its time in page faults (bench/fusion.md). This allocator keeps freed blocks
-/// of at least `kMinCachedBytes` in per-size free lists and hands them out again, as
-/// PyTorch's CUDA caching allocator does for device memory; smaller requests go to the
-/// default CPU allocator (glibc already caches them). The cache holds at most
-/// `capacity()` bytes of free blocks (default 1 GiB, `$STAGEJIT_HOST_CACHE_MB`, a
-/// non-negative integer); beyond it freed blocks go back to the system. `empty_cache()` releases every free block.
+/// A compiled function runs the same shapes call after call. With glibc, a CPU tensor
+/// above the mmap threshold (128 KiB at first, adapting up to 32 MiB) is a fresh `mmap`
+/// that the kernel zero-fills page by page on first touch and `munmap`s on free; memory
+/// returned to the heap top is trimmed and faulted in again. On this project's VMs a page
+/// fault costs several microseconds, so an LSTM step of libtorch eager spends most of its
+/// time faulting (bench/closure.md). This allocator keeps freed blocks of at least
+/// `kMinCachedBytes` in per-size free lists and hands them out again, as PyTorch's CUDA
+/// caching allocator does for device memory (and c10's mobile `CPUCachingAllocator` with
+/// its thread-local guard does for CPU); smaller requests go to c10's default CPU
+/// allocator (glibc's heap serves them well). The cache holds at most `capacity()` bytes of
+/// free blocks (default 1 GiB, `$STAGEJIT_HOST_CACHE_MB`, a non-negative integer); beyond
+/// it freed blocks go back to the system. `empty_cache()` releases every free block.
 ///
-/// Only tensors stagejit itself allocates (fused kernel outputs) come from here; ATen's
-/// own operators keep ATen's allocator. Blocks are 64-byte aligned like c10's. Thread-safe.
-/// The allocator object is never destroyed (tensors may outlive static destructors).
+/// Who allocates from it: fused kernel outputs (`empty_cached`), and, once
+/// `install_host_cache()` has run (`compile()` does it unless
+/// `CompileOptions::cache_host_memory` is off), every CPU tensor that ATen allocates on a
+/// thread while a `HostCacheScope` is open there: the engine opens one around each
+/// function of a compiled stage. Code outside a scope (libtorch eager, the user's own ATen
+/// calls, stagejit eager) keeps the allocator that was installed before, unchanged.
+/// Blocks are 64-byte aligned like c10's. Thread-safe. The allocator objects are never
+/// destroyed (tensors may outlive static destructors).
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
@@ -35,10 +44,10 @@ namespace stagejit::fusion {
 
 class HostCachingAllocator final : public c10::Allocator {
  public:
-  /// Requests below this many bytes are served by c10's default CPU allocator.
-  static constexpr std::size_t kMinCachedBytes = std::size_t{1} << 20;
-  /// Cached sizes are rounded up to a multiple of this (bytes).
-  static constexpr std::size_t kGranularity = std::size_t{1} << 16;
+  /// Requests below this many bytes (64 KiB) are served by c10's default CPU allocator.
+  static constexpr std::size_t kMinCachedBytes = std::size_t{1} << 16;
+  /// Cached sizes are rounded up to a multiple of this (bytes: one 4 KiB page).
+  static constexpr std::size_t kGranularity = std::size_t{1} << 12;
 
   struct Stats {
     std::size_t hits = 0;          ///< requests served from a free block
@@ -59,6 +68,8 @@ class HostCachingAllocator final : public c10::Allocator {
     if (n < kMinCachedBytes) return c10::GetDefaultCPUAllocator()->allocate(n);
     return const_cast<HostCachingAllocator*>(this)->allocate_cached(n);
   }
+  /// Frees a pointer from `raw_allocate` (ours or, below the threshold, c10's).
+  c10::DeleterFnPtr raw_deleter() const override { return &HostCachingAllocator::free_raw; }
 
   /// Frees every cached free block (blocks in use are unaffected).
   void empty_cache() {
@@ -103,11 +114,6 @@ class HostCachingAllocator final : public c10::Allocator {
   }
 
  private:
-  struct Block {
-    void* ptr;
-    std::size_t size;
-  };
-
   HostCachingAllocator() {
     // A non-negative number of MiB; anything else (or an overflowing value) is ignored.
     if (const char* env = std::getenv("STAGEJIT_HOST_CACHE_MB"); env && *env >= '0' && *env <= '9') {
@@ -130,49 +136,64 @@ class HostCachingAllocator final : public c10::Allocator {
         it->second.pop_back();
         stats_.cached_bytes -= size;
         ++stats_.hits;
+        live_.emplace(ptr, size);
+        stats_.in_use_bytes += size;
       } else {
         ++stats_.misses;
       }
-      stats_.in_use_bytes += size;
     }
-    Block* block = nullptr;
-    try {
-      if (!ptr) {
-        ptr = std::aligned_alloc(64, size);
-        if (!ptr) throw std::bad_alloc();
+    if (!ptr) {
+      ptr = std::aligned_alloc(64, size);
+      if (!ptr) throw std::bad_alloc();
+      try {
+        std::lock_guard<std::mutex> lock(mutex_);
+        live_.emplace(ptr, size);
+        stats_.in_use_bytes += size;
+      } catch (...) {
+        std::free(ptr);
+        throw;
       }
-      block = new Block{ptr, size};
-    } catch (...) {
-      if (ptr) std::free(ptr);
-      std::lock_guard<std::mutex> lock(mutex_);
-      stats_.in_use_bytes -= size;
-      throw;
     }
-    return c10::DataPtr(ptr, block, &HostCachingAllocator::free_block,
+    // The context is the pointer itself, so `raw_allocate` works (c10 requires it).
+    return c10::DataPtr(ptr, ptr, &HostCachingAllocator::free_block,
                         c10::Device(c10::DeviceType::CPU));
   }
 
-  static void free_block(void* context) {
-    auto* block = static_cast<Block*>(context);
-    get().recycle(block->ptr, block->size);
-    delete block;
+  static void free_block(void* ptr) { get().recycle(ptr); }
+
+  // raw_deallocate of either kind of block: ours are found in `live_`.
+  static void free_raw(void* ptr) {
+    if (!ptr) return;
+    if (!get().recycle(ptr)) c10::GetDefaultCPUAllocator()->raw_deallocate(ptr);
   }
 
-  void recycle(void* ptr, std::size_t size) {
+  // Returns false when `ptr` is not a block of this allocator.
+  bool recycle(void* ptr) {
+    std::size_t size = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      auto it = live_.find(ptr);
+      if (it == live_.end()) return false;
+      size = it->second;
+      live_.erase(it);
       stats_.in_use_bytes -= size;
       if (stats_.cached_bytes + size <= capacity_) {
-        free_[size].push_back(ptr);
-        stats_.cached_bytes += size;
-        return;
+        try {
+          free_[size].push_back(ptr);
+          stats_.cached_bytes += size;
+          return true;
+        } catch (...) {
+          // No memory for the free list: release the block instead.
+        }
       }
     }
     std::free(ptr);
+    return true;
   }
 
   mutable std::mutex mutex_;
-  std::unordered_map<std::size_t, std::vector<void*>> free_;
+  std::unordered_map<std::size_t, std::vector<void*>> free_;  // size -> free blocks
+  std::unordered_map<void*, std::size_t> live_;               // handed out -> size
   std::size_t capacity_ = std::size_t{1} << 30;
   Stats stats_;
 };
@@ -183,6 +204,68 @@ inline at::Tensor empty_cached(at::IntArrayRef sizes, at::ScalarType dtype) {
   return at::Tensor(at::detail::empty_generic(sizes, &HostCachingAllocator::get(),
                                               c10::DispatchKeySet(c10::DispatchKey::CPU), dtype,
                                               c10::nullopt));
+}
+
+namespace detail {
+/// Open `HostCacheScope`s on this thread.
+inline thread_local int host_cache_depth = 0;
+}  // namespace detail
+
+/// While alive, CPU tensors of at least `HostCachingAllocator::kMinCachedBytes` that ATen
+/// allocates on this thread come from `HostCachingAllocator` (once `install_host_cache()`
+/// has run; before, the scope changes nothing). Scopes nest; `HostCacheScope(false)` is a
+/// no-op, for conditional use. Tensors may be freed anywhere, inside a scope or not.
+class HostCacheScope {
+ public:
+  explicit HostCacheScope(bool enable = true) noexcept : enabled_(enable) {
+    if (enabled_) ++detail::host_cache_depth;
+  }
+  ~HostCacheScope() {
+    if (enabled_) --detail::host_cache_depth;
+  }
+  HostCacheScope(const HostCacheScope&) = delete;
+  HostCacheScope& operator=(const HostCacheScope&) = delete;
+  /// True when a scope is open on this thread.
+  static bool active() noexcept { return detail::host_cache_depth > 0; }
+
+ private:
+  bool enabled_;
+};
+
+namespace detail {
+/// c10's CPU allocator once installed: inside a HostCacheScope, large requests go to
+/// HostCachingAllocator; everything else to the allocator installed before it.
+class ScopedHostAllocator final : public c10::Allocator {
+ public:
+  explicit ScopedHostAllocator(c10::Allocator* previous) : previous_(previous) {}
+  c10::DataPtr allocate(std::size_t n) const override {
+    if (n >= HostCachingAllocator::kMinCachedBytes && HostCacheScope::active())
+      return HostCachingAllocator::get().allocate(n);
+    return previous_->allocate(n);
+  }
+  // Raw blocks come from either allocator; `free_raw` tells them apart.
+  c10::DeleterFnPtr raw_deleter() const override { return HostCachingAllocator::get().raw_deleter(); }
+  c10::Allocator* previous() const noexcept { return previous_; }
+
+ private:
+  c10::Allocator* previous_;
+};
+}  // namespace detail
+
+/// Makes c10's CPU allocator honour `HostCacheScope`: replaces c10's default CPU
+/// allocator by a router that forwards to it outside scopes (once per process; later calls
+/// do nothing). Returns true when the router is c10's CPU allocator afterwards; false when
+/// the program had set another CPU allocator (`c10::SetCPUAllocator`), which is left
+/// alone (scopes then change nothing). Call it before starting threads that allocate.
+inline bool install_host_cache() {
+  static detail::ScopedHostAllocator* router = []() -> detail::ScopedHostAllocator* {
+    c10::Allocator* current = c10::GetCPUAllocator();
+    if (current != c10::GetDefaultCPUAllocator()) return nullptr;
+    auto* r = new detail::ScopedHostAllocator(current);  // never destroyed
+    c10::SetCPUAllocator(r, /*priority=*/0);
+    return r;
+  }();
+  return router && c10::GetCPUAllocator() == router;
 }
 
 }  // namespace stagejit::fusion

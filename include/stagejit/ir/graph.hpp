@@ -316,6 +316,7 @@ class Node {
   std::vector<Value*> outputs_;
   Node* prev_ = nullptr;
   Node* next_ = nullptr;
+  size_t owner_slot_ = 0;  // index in the graph's `owned_`
   SourceLocation location_;
 };
 
@@ -331,7 +332,7 @@ class Graph {
   Graph& operator=(const Graph&) = delete;
   ~Graph() {
     // Drop every edge first so destruction order does not matter.
-    for (auto& [p, n] : owned_) n->inputs_.clear();
+    for (auto& n : owned_) n->inputs_.clear();
   }
 
   // ---------------------------------------------------------------- inputs
@@ -366,7 +367,7 @@ class Graph {
     STAGEJIT_CHECK_AS(IrError, !v->has_uses(), "cannot erase graph input ", i, ": it has ",
                       v->uses().size(), " uses");
     inputs_.erase(inputs_.begin() + i);
-    owned_.erase(v->node());
+    release(v->node());
   }
 
   // ---------------------------------------------------------------- outputs
@@ -471,11 +472,14 @@ class Graph {
   std::vector<Node*> all_nodes() const {
     std::vector<Node*> out;
     out.reserve(owned_.size());
-    for (auto& [p, n] : owned_) out.push_back(n.get());
+    for (auto& n : owned_) out.push_back(n.get());
     return out;
   }
-  /// True when `n` is owned by this graph.
-  bool owns(const Node* n) const { return owned_.count(n) != 0; }
+  /// True when `n` (a live node of any graph) is owned by this graph.
+  bool owns(const Node* n) const {
+    return n && n->graph_ == this && n->owner_slot_ < owned_.size() &&
+           owned_[n->owner_slot_].get() == n;
+  }
 
   // ---------------------------------------------------------------- copying
   /// Makes an unlisted copy of `n` in this graph: same kind (FusionGroup subgraphs
@@ -500,17 +504,19 @@ class Graph {
   /// A deep copy: same inputs, nodes, stages, names, outputs and output groups.
   std::shared_ptr<Graph> clone() const {
     auto g = std::make_shared<Graph>();
-    std::unordered_map<const Value*, Value*> map;
-    for (Value* in : inputs_) map[in] = g->add_input(in->type_, in->stage(), in->name_);
+    g->owned_.reserve(owned_.size());
+    // Value ids are dense (< next_id_): the map is a vector indexed by id.
+    std::vector<Value*> map(next_id_, nullptr);
+    for (Value* in : inputs_) map[in->id()] = g->add_input(in->type_, in->stage(), in->name_);
     auto lookup = [&](Value* v) {
-      auto it = map.find(v);
-      STAGEJIT_CHECK_AS(IrError, it != map.end(), "clone: value #", v->id(),
+      Value* to = v->id() < map.size() ? map[v->id()] : nullptr;
+      STAGEJIT_CHECK_AS(IrError, to != nullptr, "clone: value #", v->id(),
                         " is used before it is defined");
-      return it->second;
+      return to;
     };
-    for (Node* n : nodes()) {
+    for (Node* n = return_node_->next_; n != return_node_; n = n->next_) {
       Node* c = g->append(g->create_clone(*n, lookup, true));
-      for (size_t i = 0; i < n->outputs_.size(); ++i) map[n->outputs_[i]] = c->outputs_[i];
+      for (size_t i = 0; i < n->outputs_.size(); ++i) map[n->outputs_[i]->id()] = c->outputs_[i];
     }
     g->stage_output_counts_.assign(stage_output_counts_.size(), 0);
     for (size_t i = 0; i < outputs().size(); ++i)
@@ -525,18 +531,18 @@ class Graph {
                                    Node* insert_point, size_t stage) {
     STAGEJIT_CHECK_AS(IrError, inputs.size() == sub.inputs_.size(), "inline_graph: subgraph has ",
                       sub.inputs_.size(), " inputs, given ", inputs.size());
-    std::unordered_map<const Value*, Value*> map;
-    for (size_t i = 0; i < inputs.size(); ++i) map[sub.inputs_[i]] = inputs[i];
+    std::vector<Value*> map(sub.next_id_, nullptr);  // by id of `sub`'s values
+    for (size_t i = 0; i < inputs.size(); ++i) map[sub.inputs_[i]->id()] = inputs[i];
     auto lookup = [&](Value* v) {
-      auto it = map.find(v);
-      STAGEJIT_CHECK_AS(IrError, it != map.end(), "inline_graph: value #", v->id(),
+      Value* to = v->id() < map.size() ? map[v->id()] : nullptr;
+      STAGEJIT_CHECK_AS(IrError, to != nullptr, "inline_graph: value #", v->id(),
                         " is used before it is defined");
-      return it->second;
+      return to;
     };
-    for (Node* n : sub.nodes()) {
+    for (Node* n = sub.return_node_->next_; n != sub.return_node_; n = n->next_) {
       Node* c = create_clone(*n, lookup)->set_stage(stage);
       c->insert_before(insert_point);
-      for (size_t i = 0; i < n->outputs_.size(); ++i) map[n->outputs_[i]] = c->outputs_[i];
+      for (size_t i = 0; i < n->outputs_.size(); ++i) map[n->outputs_[i]->id()] = c->outputs_[i];
     }
     std::vector<Value*> outs;
     for (Value* v : sub.outputs()) outs.push_back(lookup(v));
@@ -545,7 +551,7 @@ class Graph {
 
   /// The value whose debug name is `name`, or nullptr.
   Value* find_value(std::string_view name) const {
-    for (auto& [p, n] : owned_)
+    for (auto& n : owned_)
       for (Value* v : n->outputs_)
         if (v->name_ == name) return v;
     return nullptr;
@@ -555,13 +561,26 @@ class Graph {
   friend class Node;
   Node* new_node(NodeKind kind, size_t stage) {
     auto n = std::unique_ptr<Node>(new Node(this, std::move(kind), next_id_++, stage));
-    Node* p = n.get();
-    owned_.emplace(p, std::move(n));
-    return p;
+    n->owner_slot_ = owned_.size();
+    owned_.push_back(std::move(n));
+    return owned_.back().get();
+  }
+  // Frees `n` (owned by this graph): the last owned node takes its slot.
+  void release(Node* n) {
+    const size_t slot = n->owner_slot_;
+    std::unique_ptr<Node> dead = std::move(owned_[slot]);
+    if (slot + 1 != owned_.size()) {
+      owned_[slot] = std::move(owned_.back());
+      owned_[slot]->owner_slot_ = slot;
+    }
+    owned_.pop_back();
   }
   size_t next_value_id() { return next_id_++; }
 
-  std::unordered_map<const Node*, std::unique_ptr<Node>> owned_;
+  // Every node (listed or not, Params and Return included), in creation order until
+  // nodes are destroyed; a vector, not a hash map: graphs of 10^4..10^5 nodes are built,
+  // cloned and freed on every compile (bench/closure).
+  std::vector<std::unique_ptr<Node>> owned_;
   Node* return_node_;
   std::vector<Value*> inputs_;
   std::vector<size_t> stage_output_counts_;
@@ -633,7 +652,7 @@ inline void Node::destroy() {
                       "): output ", v->offset(), " still has ", v->uses().size(), " uses");
   remove_all_inputs();
   if (in_list()) remove_from_list();
-  graph_->owned_.erase(this);
+  graph_->release(this);  // frees this node
 }
 
 }  // namespace stagejit::ir

@@ -54,7 +54,10 @@ namespace detail {
 
 class Linter {
  public:
-  explicit Linter(const Graph& g) : g_(g), names_(g) {}
+  explicit Linter(const Graph& g) : g_(g), names_(g) {
+    // A set, not Graph::owns: a corrupt use list may point at a freed node.
+    for (const Node* n : g.all_nodes()) owned_.insert(n);
+  }
 
   void run() {
     check_inputs();
@@ -102,7 +105,7 @@ class Linter {
 
   void check_uses_of(const Value* v) const {
     for (const Use& u : v->uses()) {
-      if (!u.user || !g_.owns(u.user) || u.offset >= u.user->inputs().size() || u.user->inputs()[u.offset] != v)
+      if (!u.user || !owned_.count(u.user) || u.offset >= u.user->inputs().size() || u.user->inputs()[u.offset] != v)
         fail(v->node(), "use-list", "value " + names_(v) + " lists a use that is not an input edge");
       if ((!u.user->in_list() && !u.user->is<Return>()))
         fail(v->node(), "use-list", "value " + names_(v) + " is used by a node that is not in the graph's list");
@@ -217,6 +220,7 @@ class Linter {
   }
 
   const Graph& g_;
+  std::unordered_set<const Node*> owned_;
   NameTable names_;
 };
 
