@@ -246,6 +246,8 @@ TEST_SUITE("fusion") {
     again = at::Tensor();
     CHECK(alloc.stats().cached_bytes == 0);
     alloc.set_capacity(capacity);
+    // A size that cannot be rounded up is refused, not wrapped to a tiny block.
+    CHECK_THROWS_AS(alloc.allocate(std::numeric_limits<std::size_t>::max() - 3), std::bad_alloc);
   }
 
   TEST_CASE("HostCacheScope routes ATen's large CPU allocations through the cache, only inside the scope") {
@@ -284,6 +286,11 @@ TEST_SUITE("fusion") {
       { fusion::HostCacheScope nested(false); CHECK(fusion::HostCacheScope::active()); }
     }
     CHECK_FALSE(fusion::HostCacheScope::active());
+    // Growing it outside the scope allocates through the routing allocator, which is
+    // outside a scope c10's own: the cache sees no new request.
+    const auto misses = alloc.stats().misses;
+    kept.resize_({1 << 17});
+    CHECK(alloc.stats().misses == misses);
     // A block handed out inside the scope may be freed outside it.
     kept = at::Tensor();
     CHECK(alloc.stats().in_use_bytes == before.in_use_bytes);

@@ -321,7 +321,8 @@ inline GroupPlan plan_group(const ir::Graph& subgraph, const std::string& text,
 }
 
 /// Runs a planned group: allocates the outputs (from `HostCachingAllocator` inside a
-/// `HostCacheScope`, as compiled stages run with `cache_host_memory`) and runs the
+/// `HostCacheScope`, as compiled stages run with `cache_host_memory`; see
+/// `install_host_cache`) and runs the
 /// kernel; or, for a fallback plan, warns once and runs the nodes one by one.
 inline std::vector<at::Tensor> run_planned(const GroupPlan& plan, const ir::Graph& subgraph,
                                            const std::string& text, const std::vector<at::Tensor>& inputs,
@@ -332,9 +333,11 @@ inline std::vector<at::Tensor> run_planned(const GroupPlan& plan, const ir::Grap
   }
   std::vector<at::Tensor> outputs;
   outputs.reserve(plan.output_dtypes.size());
+  // at::empty: inside a HostCacheScope (and with install_host_cache() done) c10's CPU
+  // allocator serves it from the cache, and the storage keeps that routing allocator, so
+  // a later resize outside any scope does not touch the cache.
   for (at::ScalarType dt : plan.output_dtypes)
-    outputs.push_back(HostCacheScope::active() ? empty_cached(plan.shape, dt)
-                                               : at::empty(plan.shape, at::TensorOptions().dtype(dt)));
+    outputs.push_back(at::empty(plan.shape, at::TensorOptions().dtype(dt)));
   if (plan.kernel) {
     std::vector<at::Tensor> ins(inputs.begin(), inputs.end());
     PackedArgs args;
@@ -353,7 +356,8 @@ inline std::vector<at::Tensor> run_planned(const GroupPlan& plan, const ir::Grap
 
 /// Runs a FusionGroup subgraph on `inputs` (one tensor per subgraph input, broadcastable
 /// to one shape): allocates the outputs (the broadcast shape, contiguous, from
-/// `HostCachingAllocator` inside a `HostCacheScope`, else from ATen's allocator; dtypes
+/// `HostCachingAllocator` inside a `HostCacheScope` once `install_host_cache()` has run,
+/// else from ATen's allocator; dtypes
 /// from `output_dtypes`), and runs the generated kernel
 /// from the CPU backend (kernels cached in the process per backend, key and subgraph
 /// text). When no kernel can be used (anything `generate` refuses, or FusionError from

@@ -16,11 +16,11 @@
 /// free blocks (default 1 GiB, `$STAGEJIT_HOST_CACHE_MB`, a non-negative integer); beyond
 /// it freed blocks go back to the system. `empty_cache()` releases every free block.
 ///
-/// Who allocates from it: fused kernel outputs (`empty_cached`), and, once
-/// `install_host_cache()` has run (`compile()` does it unless
-/// `CompileOptions::cache_host_memory` is off), every CPU tensor that ATen allocates on a
-/// thread while a `HostCacheScope` is open there: the engine opens one around each
-/// function of a compiled stage. Code outside a scope (libtorch eager, the user's own ATen
+/// Who allocates from it: `empty_cached` (always), and, once `install_host_cache()` has
+/// run (`compile()` does it unless `CompileOptions::cache_host_memory` is off), every CPU
+/// tensor that ATen allocates on a thread while a `HostCacheScope` is open there (fused
+/// kernel outputs included): the engine opens one around each function of a compiled
+/// stage. Code outside a scope (libtorch eager, the user's own ATen
 /// calls, stagejit eager) keeps the allocator that was installed before, unchanged.
 /// Blocks are 64-byte aligned like c10's. Thread-safe. The allocator objects are never
 /// destroyed (tensors may outlive static destructors).
@@ -126,17 +126,19 @@ class HostCachingAllocator final : public c10::Allocator {
   }
 
   c10::DataPtr allocate_cached(std::size_t n) {
+    if (n > std::numeric_limits<std::size_t>::max() - kGranularity) throw std::bad_alloc();
     const std::size_t size = (n + kGranularity - 1) / kGranularity * kGranularity;
     void* ptr = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = free_.find(size);
       if (it != free_.end() && !it->second.empty()) {
+        // Recorded as live before it leaves the free list: a throwing insert loses nothing.
+        live_.insert_or_assign(it->second.back(), size);
         ptr = it->second.back();
         it->second.pop_back();
         stats_.cached_bytes -= size;
         ++stats_.hits;
-        live_.emplace(ptr, size);
         stats_.in_use_bytes += size;
       } else {
         ++stats_.misses;
@@ -147,7 +149,9 @@ class HostCachingAllocator final : public c10::Allocator {
       if (!ptr) throw std::bad_alloc();
       try {
         std::lock_guard<std::mutex> lock(mutex_);
-        live_.emplace(ptr, size);
+        // insert_or_assign: an address freed behind our back and handed out again by
+        // aligned_alloc must get its new size.
+        live_.insert_or_assign(ptr, size);
         stats_.in_use_bytes += size;
       } catch (...) {
         std::free(ptr);
