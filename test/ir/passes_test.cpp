@@ -1,6 +1,8 @@
 #include <stagejit/stagejit.hpp>
 #include <stagejit/testing/doctest.hpp>
 
+#include <set>
+
 namespace ir = stagejit::ir;
 namespace passes = stagejit::passes;
 
@@ -172,5 +174,45 @@ TEST_SUITE("ir") {
     CHECK(passes::eliminate_common_subexpressions(*g) == 1);
     CHECK(ir::to_string(*g) == "graph(%x : Float(3)) {\n  %0 : Float(3) = tanh(%x);\n  %1 : Float(3) = mul(%0, %0);\n  return (%1);\n}\n");
     CHECK(passes::eliminate_dead_code(*g) == 0);
+  }
+}
+
+TEST_SUITE("ir") {
+  TEST_CASE("Graph storage: destroyed nodes and erased outputs free their cells for reuse; owns and all_nodes stay right") {
+    ir::Graph g;
+    auto type = ir::TensorType::contiguous(at::kFloat, {4});
+    ir::Value* x = g.add_input(type, 0, "x");
+    std::vector<ir::Node*> made;
+    for (int i = 0; i < 300; ++i)  // several blocks of cells
+      made.push_back(g.create_and_append(ir::Op::with("neg"), {i ? made.back()->output() : x}, {type}));
+    g.register_output(made.back()->output(), 0);
+    const std::size_t owned = g.all_nodes().size();
+    CHECK(owned == 300 + 2);  // + the Param and the Return node
+    // Remove the first 100 (they feed each other, so last first); the chain is re-rooted.
+    made[100]->replace_input(0, x);
+    for (int i = 99; i >= 0; --i) {
+      CHECK(g.owns(made[i]));
+      made[i]->destroy();
+    }
+    CHECK(g.all_nodes().size() == owned - 100);
+    for (ir::Node* n : g.all_nodes()) CHECK(g.owns(n));
+    // New nodes reuse the freed cells.
+    std::set<const void*> freed(made.begin(), made.begin() + 100);
+    int reused = 0;
+    for (int i = 0; i < 100; ++i) {
+      ir::Node* n = g.create_and_append(ir::Op::with("relu"), {x}, {type});
+      reused += freed.count(n) ? 1 : 0;
+      n->add_output(type);  // a second output, erased again: its cell is reused too
+      n->erase_output(1);
+    }
+    CHECK(reused == 100);
+    ir::lint(g);
+    // A clone has its own storage and the same text; destroying the original leaves it intact.
+    auto copy = g.clone();
+    const std::string text = ir::to_string(g);
+    CHECK(ir::to_string(*copy) == text);
+    ir::Graph other;
+    CHECK_FALSE(other.owns(made[150]));
+    CHECK_FALSE(copy->owns(made[150]));
   }
 }

@@ -23,6 +23,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <new>
 #include <ostream>
 #include <string>
 #include <string_view>
@@ -38,6 +39,7 @@
 namespace stagejit::ir {
 
 class Node;
+class Value;
 class Graph;
 
 /// One input edge: `user->inputs()[offset]` is the value that has this use.
@@ -70,6 +72,60 @@ inline bool valid_value_name(std::string_view name) {
 }
 
 /// A value: one output of one node (graph inputs are outputs of Param nodes).
+namespace detail {
+/// Storage for one graph's nodes: cells of `Size` bytes carved from blocks (4 cells, then
+/// twice as many per block up to `MaxPerBlock`: small graphs such as fusion subgraphs
+/// stay small), reused through an intrusive free list. A graph's nodes then sit together
+/// in memory in creation order (passes walk them in that order) and cost no malloc each.
+template <size_t Size, size_t Align, size_t MaxPerBlock = 256>
+class CellPool {
+  static_assert(Size >= sizeof(void*));
+
+ public:
+  CellPool() = default;
+  CellPool(const CellPool&) = delete;
+  CellPool& operator=(const CellPool&) = delete;
+  /// Uninitialised storage for one object; throws std::bad_alloc.
+  void* allocate() {
+    if (free_) {
+      void* p = free_;
+      free_ = *static_cast<void**>(p);
+      return p;
+    }
+    if (used_ == block_size_) {
+      const size_t next = blocks_.empty() ? 4 : std::min(2 * block_size_, MaxPerBlock);
+      blocks_.push_back(std::unique_ptr<Cell[]>(new Cell[next]));
+      block_size_ = next;
+      used_ = 0;
+    }
+    return &blocks_.back()[used_++];
+  }
+  /// Returns storage from `allocate` whose object has been destroyed.
+  void deallocate(void* p) noexcept {
+    *static_cast<void**>(p) = free_;
+    free_ = p;
+  }
+
+ private:
+  struct alignas(Align) Cell {
+    std::byte bytes[Size];
+  };
+  std::vector<std::unique_ptr<Cell[]>> blocks_;
+  size_t block_size_ = 0;  // cells in the last block
+  size_t used_ = 0;        // cells of the last block handed out
+  void* free_ = nullptr;
+};
+
+/// Destroys a node and returns its cell to its graph's pool.
+struct NodeDeleter {
+  void operator()(Node* n) const noexcept;
+};
+/// Destroys a value and returns its cell to its graph's pool.
+struct ValueDeleter {
+  void operator()(Value* v) const noexcept;
+};
+}  // namespace detail
+
 class Value {
  public:
   Value(const Value&) = delete;
@@ -116,6 +172,7 @@ class Value {
  private:
   friend class Node;
   friend class Graph;
+  friend struct detail::ValueDeleter;
   Value(Node* node, size_t offset, size_t id, Type type)
       : node_(node), offset_(offset), id_(id), type_(std::move(type)) {}
   void remove_use(Node* user, size_t offset) {
@@ -133,6 +190,7 @@ class Value {
   std::string name_;
   std::vector<Use> uses_;
 };
+
 
 /// A node: a kind (`NodeKind`), a stage, ordered inputs and owned outputs.
 class Node {
@@ -292,6 +350,7 @@ class Node {
  private:
   friend class Graph;
   friend class Value;
+  friend struct detail::NodeDeleter;
   Node(Graph* graph, NodeKind kind, size_t id, size_t stage)
       : graph_(graph), kind_(std::move(kind)), id_(id), stage_(stage) {}
   void check_same_graph(Value* v) const {
@@ -312,7 +371,7 @@ class Node {
   size_t id_;
   size_t stage_;
   std::vector<Value*> inputs_;
-  std::vector<std::unique_ptr<Value>> owned_outputs_;
+  std::vector<std::unique_ptr<Value, detail::ValueDeleter>> owned_outputs_;
   std::vector<Value*> outputs_;
   Node* prev_ = nullptr;
   Node* next_ = nullptr;
@@ -331,8 +390,10 @@ class Graph {
   Graph(const Graph&) = delete;
   Graph& operator=(const Graph&) = delete;
   ~Graph() {
-    // Drop every edge first so destruction order does not matter.
+    // Drop every edge first so destruction order does not matter; free the nodes while
+    // their pool is alive.
     for (auto& n : owned_) n->inputs_.clear();
+    owned_.clear();
   }
 
   // ---------------------------------------------------------------- inputs
@@ -560,15 +621,23 @@ class Graph {
  private:
   friend class Node;
   Node* new_node(NodeKind kind, size_t stage) {
-    auto n = std::unique_ptr<Node>(new Node(this, std::move(kind), next_id_++, stage));
+    void* cell = node_pool_.allocate();
+    Node* raw = nullptr;
+    try {
+      raw = new (cell) Node(this, std::move(kind), next_id_++, stage);
+    } catch (...) {
+      node_pool_.deallocate(cell);
+      throw;
+    }
+    std::unique_ptr<Node, detail::NodeDeleter> n(raw);
     n->owner_slot_ = owned_.size();
     owned_.push_back(std::move(n));
-    return owned_.back().get();
+    return raw;
   }
   // Frees `n` (owned by this graph): the last owned node takes its slot.
   void release(Node* n) {
     const size_t slot = n->owner_slot_;
-    std::unique_ptr<Node> dead = std::move(owned_[slot]);
+    std::unique_ptr<Node, detail::NodeDeleter> dead = std::move(owned_[slot]);
     if (slot + 1 != owned_.size()) {
       owned_[slot] = std::move(owned_.back());
       owned_[slot]->owner_slot_ = slot;
@@ -577,10 +646,15 @@ class Graph {
   }
   size_t next_value_id() { return next_id_++; }
 
+  friend struct detail::NodeDeleter;
+  friend struct detail::ValueDeleter;
+  // Declared before owned_, so they outlive the nodes and values in them.
+  detail::CellPool<sizeof(Node), alignof(Node)> node_pool_;
+  detail::CellPool<sizeof(Value), alignof(Value)> value_pool_;
   // Every node (listed or not, Params and Return included), in creation order until
   // nodes are destroyed; a vector, not a hash map: graphs of 10^4..10^5 nodes are built,
   // cloned and freed on every compile (bench/closure).
-  std::vector<std::unique_ptr<Node>> owned_;
+  std::vector<std::unique_ptr<Node, detail::NodeDeleter>> owned_;
   Node* return_node_;
   std::vector<Value*> inputs_;
   std::vector<size_t> stage_output_counts_;
@@ -592,6 +666,18 @@ class Graph {
 
 inline std::ostream& operator<<(std::ostream& os, const Use& u) {
   return os << "Use(user #" << (u.user ? u.user->id() : 0) << ", offset " << u.offset << ")";
+}
+
+inline void detail::NodeDeleter::operator()(Node* n) const noexcept {
+  Graph* g = n->graph_;
+  n->~Node();
+  g->node_pool_.deallocate(n);
+}
+
+inline void detail::ValueDeleter::operator()(Value* v) const noexcept {
+  Graph* g = v->node_->owning_graph();  // the node is alive (values die with or before it)
+  v->~Value();
+  g->value_pool_.deallocate(v);
 }
 
 inline size_t Value::stage() const noexcept { return node_->stage(); }
@@ -614,10 +700,18 @@ inline Node* Node::set_stage(size_t stage) {
 }
 
 inline Value* Node::add_output(Type type) {
-  owned_outputs_.push_back(std::unique_ptr<Value>(
-      new Value(this, outputs_.size(), graph_->next_value_id(), std::move(type))));
-  outputs_.push_back(owned_outputs_.back().get());
-  return outputs_.back();
+  outputs_.reserve(outputs_.size() + 1);  // no throw after the value is made
+  void* cell = graph_->value_pool_.allocate();
+  Value* raw = nullptr;
+  try {
+    raw = new (cell) Value(this, outputs_.size(), graph_->next_value_id(), std::move(type));
+  } catch (...) {
+    graph_->value_pool_.deallocate(cell);
+    throw;
+  }
+  owned_outputs_.push_back(std::unique_ptr<Value, detail::ValueDeleter>(raw));
+  outputs_.push_back(raw);
+  return raw;
 }
 
 inline Node* Node::insert_before(Node* n) {
