@@ -10,7 +10,9 @@
 // 2. Trace + compile time of generated graphs of about 100, 1 000 and 10 000 forward
 //    nodes (a chain of elementwise ops with fan-out on [8] doubles, one backward stage),
 //    split into trace, passes (DCE + CSE), fuser and closure build, best of three rounds;
-//    per-node cost should stay flat (linear growth).
+//    per-node cost should stay flat (linear growth). For scale, the last column runs the
+//    same chain forward + backward through libtorch's own autograd: how the machine's
+//    caches and allocator treat a graph of that many nodes.
 // Options: --reps R (default 30), --threads T (ATen intra-op threads; default ATen's),
 // --part all|lstm|compile (default all). With $STAGEJIT_BENCH_PRINT_GRAPH set, prints
 // the LSTM cell's compiled graphs.
@@ -103,30 +105,33 @@ void lstm(int reps) {
 }
 
 // About `n` forward nodes: a chain where every fourth step also reuses an older value
-// (fan-out), mixing unary and binary elementwise ops.
-sj::variable_list chain(const sj::variable_list& in, int n) {
-  sj::Variable x = in[0], y = in[1], older = in[0];
+// (fan-out), mixing unary and binary elementwise ops. T: sj::Variable or at::Tensor.
+template <class T>
+std::vector<T> chain(const std::vector<T>& in, int n) {
+  T x = in[0], y = in[1], older = in[0];
   for (int i = 0; i < n; ++i) {
     switch (i % 4) {
       case 0: x = x * y; break;
-      case 1: x = sj::tanh(x); break;
+      case 1: x = tanh(x); break;
       case 2: x = x + older; break;
-      default: older = x; x = sj::sigmoid(x) - 0.5; ++i; break;  // two nodes
+      default: older = x; x = sigmoid(x) - 0.5; ++i; break;  // two nodes
     }
   }
-  return {sj::sum(x)};
+  return {sum(x)};
 }
 
 void compile_scaling() {
   std::printf("\ntrace + compile time of generated graphs (forward + one backward stage, [8] doubles)\n");
-  std::printf("  %8s %8s %10s %10s %10s %10s %10s %12s\n", "fwd ops", "nodes", "trace ms",
-              "passes ms", "fuser ms", "closure ms", "total ms", "us per node");
+  std::printf("  %8s %8s %10s %10s %10s %10s %10s %12s %14s\n", "fwd ops", "nodes", "trace ms",
+              "passes ms", "fuser ms", "closure ms", "total ms", "us per node", "libtorch f+b ms");
   for (int n : {100, 1000, 10000}) {
     sj::variable_list in = {sj::Variable(at::rand({8}, at::kDouble), true),
                             sj::Variable(at::rand({8}, at::kDouble), true)};
     auto fn = [n](const sj::variable_list& v) { return chain(v, n); };
+    std::vector<at::Tensor> leaves = {in[0].data().detach().requires_grad_(true),
+                                      in[1].data().detach().requires_grad_(true)};
     // Best of three rounds of each phase (the first round also pays first-touch page faults).
-    double t_trace = 1e30, t_passes = 1e30, t_fuse = 1e30, t_closure = 1e30;
+    double t_trace = 1e30, t_passes = 1e30, t_fuse = 1e30, t_closure = 1e30, t_torch = 1e30;
     std::size_t nodes = 0;
     for (int round = 0; round < 3; ++round) {
       sj::Trace tr;
@@ -142,10 +147,11 @@ void compile_scaling() {
       // The fuser pass alone (grouping); kernels are generated and compiled at run time.
       t_fuse = std::min(t_fuse, once_ms([&] { sj::passes::fuse(*gf); }));
       t_closure = std::min(t_closure, once_ms([&] { sj::closure::MultiStageClosure c(g, tr); }));
+      t_torch = std::min(t_torch, once_ms([&] { torch::autograd::grad(chain(leaves, n), leaves); }));
     }
     const double total = t_trace + t_passes + t_fuse + t_closure;
-    std::printf("  %8d %8zu %10.2f %10.2f %10.2f %10.2f %10.2f %12.2f\n", n, nodes, t_trace, t_passes,
-                t_fuse, t_closure, total, total * 1e3 / double(nodes));
+    std::printf("  %8d %8zu %10.2f %10.2f %10.2f %10.2f %10.2f %12.2f %14.2f\n", n, nodes, t_trace,
+                t_passes, t_fuse, t_closure, total, total * 1e3 / double(nodes), t_torch);
   }
 }
 
