@@ -177,6 +177,19 @@ TEST_SUITE("fusion") {
     CHECK(reason.find("mixed") != std::string::npos);
     check_close(m[0], at::tanh(mixed[0] * mixed[1] + mixed[2]) * at::sigmoid(mixed[0]));
 
+    // Arguments the launch cannot take (9 dimensions that do not merge): op by op, and
+    // the reason is reported.
+    auto nine = ir::parse(R"(graph(%a : Double(2, 2, 2, 2, 2, 2, 2, 2, 2)) {
+  %0 : Double(2, 2, 2, 2, 2, 2, 2, 2, 2) = tanh(%a);
+  %1 : Double(2, 2, 2, 2, 2, 2, 2, 2, 2) = mul(%0, %a);
+  return (%1);
+})");
+    at::Tensor reversed = at::randn(std::vector<int64_t>(9, 2), at::kDouble).permute({8, 7, 6, 5, 4, 3, 2, 1, 0});
+    reason.clear();
+    auto n9 = fusion::run_fused(*nine, {reversed}, {nullptr, "nine", &reason});
+    CHECK_MESSAGE(reason.find("dimensions") != std::string::npos, reason);
+    check_close(n9[0], at::tanh(reversed) * reversed);
+
     // An output smaller than the iteration shape.
     auto two = ir::parse(R"(graph(%a : Float(4), %b : Float(3, 4)) {
   %0 : Float(4) = exp(%a);

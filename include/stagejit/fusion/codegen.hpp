@@ -322,11 +322,13 @@ inline GroupPlan plan_group(const ir::Graph& subgraph, const std::string& text,
 
 /// Runs a planned group: allocates the outputs (from `HostCachingAllocator` inside a
 /// `HostCacheScope`, as compiled stages run with `cache_host_memory`; see
-/// `install_host_cache`) and runs the
-/// kernel; or, for a fallback plan, warns once and runs the nodes one by one.
+/// `install_host_cache`) and runs the kernel; or, for a fallback plan or arguments the
+/// launch cannot take, warns once and runs the nodes one by one (the reason goes to
+/// `*fallback_reason` when given).
 inline std::vector<at::Tensor> run_planned(const GroupPlan& plan, const ir::Graph& subgraph,
                                            const std::string& text, const std::vector<at::Tensor>& inputs,
-                                           const std::string& group_name) {
+                                           const std::string& group_name,
+                                           std::string* fallback_reason = nullptr) {
   if (!plan.fallback.empty()) {
     warn_fallback(group_name, text, plan.fallback);
     return run_unfused(subgraph, inputs);
@@ -344,6 +346,7 @@ inline std::vector<at::Tensor> run_planned(const GroupPlan& plan, const ir::Grap
     try {
       args = pack_tensor_args(plan.shape, ins, outputs);
     } catch (const FusionError& e) {  // e.g. more dimensions than the launch ABI holds
+      if (fallback_reason) *fallback_reason = e.what();
       warn_fallback(group_name, text, e.what());
       return run_unfused(subgraph, inputs);
     }
@@ -357,9 +360,8 @@ inline std::vector<at::Tensor> run_planned(const GroupPlan& plan, const ir::Grap
 /// Runs a FusionGroup subgraph on `inputs` (one tensor per subgraph input, broadcastable
 /// to one shape): allocates the outputs (the broadcast shape, contiguous, from
 /// `HostCachingAllocator` inside a `HostCacheScope` once `install_host_cache()` has run,
-/// else from ATen's allocator; dtypes
-/// from `output_dtypes`), and runs the generated kernel
-/// from the CPU backend (kernels cached in the process per backend, key and subgraph
+/// else from ATen's allocator; dtypes from `output_dtypes`), and runs the generated
+/// kernel from the CPU backend (kernels cached in the process per backend, key and subgraph
 /// text). When no kernel can be used (anything `generate` refuses, or FusionError from
 /// the backend such as a missing compiler), runs the nodes one by one with `run_unfused`
 /// instead and prints a one-time warning per group on stderr. Throws ShapeError when the
@@ -373,7 +375,7 @@ inline std::vector<at::Tensor> run_fused(const ir::Graph& subgraph, const std::v
   CpuBackend& backend = options.backend ? *options.backend : default_cpu_backend();
   detail::GroupPlan plan = detail::plan_group(subgraph, text, inputs, backend);
   if (options.fallback_reason) *options.fallback_reason = plan.fallback;
-  return detail::run_planned(plan, subgraph, text, inputs, options.group_name);
+  return detail::run_planned(plan, subgraph, text, inputs, options.group_name, options.fallback_reason);
 }
 
 /// One FusionGroup subgraph run call after call (the closure compiler's FusedKernel):

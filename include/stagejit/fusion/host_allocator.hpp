@@ -6,9 +6,9 @@
 /// A compiled function runs the same shapes call after call. With glibc, a CPU tensor
 /// above the mmap threshold (128 KiB at first, adapting up to 32 MiB) is a fresh `mmap`
 /// that the kernel zero-fills page by page on first touch and `munmap`s on free; memory
-/// returned to the heap top is trimmed and faulted in again. On this project's VMs a page
-/// fault costs several microseconds, so an LSTM step of libtorch eager spends most of its
-/// time faulting (bench/closure.md). This allocator keeps freed blocks of at least
+/// returned to the heap top is trimmed and faulted in again. Where a page fault costs
+/// microseconds (virtual machines with nested paging), an LSTM step of libtorch eager can
+/// spend most of its time faulting (bench/closure.md). This allocator keeps freed blocks of at least
 /// `kMinCachedBytes` in per-size free lists and hands them out again, as PyTorch's CUDA
 /// caching allocator does for device memory (and c10's mobile `CPUCachingAllocator` with
 /// its thread-local guard does for CPU); smaller requests go to c10's default CPU
@@ -20,8 +20,8 @@
 /// run (`compile()` does it unless `CompileOptions::cache_host_memory` is off), every CPU
 /// tensor that ATen allocates on a thread while a `HostCacheScope` is open there (fused
 /// kernel outputs included): the engine opens one around each function of a compiled
-/// stage. Code outside a scope (libtorch eager, the user's own ATen
-/// calls, stagejit eager) keeps the allocator that was installed before, unchanged.
+/// stage. Code outside a scope (libtorch eager, the user's own ATen calls, stagejit eager)
+/// keeps the allocator that was installed before, unchanged.
 /// Blocks are 64-byte aligned like c10's. Thread-safe. The allocator objects are never
 /// destroyed (tensors may outlive static destructors).
 
