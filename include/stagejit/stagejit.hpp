@@ -25,6 +25,7 @@
 #include <stagejit/passes/cse.hpp>
 #include <stagejit/passes/dce.hpp>
 #include <stagejit/passes/graph_fuser.hpp>
+#include <stagejit/passes/peephole.hpp>
 #include <stagejit/fusion/kernel_spec.hpp>
 #include <stagejit/fusion/tensor_args.hpp>
 #include <stagejit/fusion/cpu_backend.hpp>

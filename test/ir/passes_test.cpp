@@ -216,3 +216,30 @@ TEST_SUITE("ir") {
     CHECK_FALSE(copy->owns(made[150]));
   }
 }
+
+TEST_SUITE("ir") {
+  TEST_CASE("fold_double_transposes: t(t(x)) -> x within and across stages, outputs included") {
+    auto g = ir::parse(R"(graph(%x : Float(3, 4),
+      %w : Float(5, 4),
+      -------- stage 1 --------
+      %g : Float(3, 5)) {
+  %wt : Float(4!, 5!) = t(%w);
+  %y : Float(3, 5) = mm(%x, %wt);
+  ---------------- stage 1 ----------------
+  %w2 : Float(5, 4) = t(%wt);
+  %gx : Float(3, 4) = mm(%g, %w2);
+  %gt : Float(5!, 3!) = t(%g);
+  %gw : Float(5, 4) = mm(%gt, %x);
+  %a : Float(4!, 5!) = t(%gw);
+  %b : Float(5, 4) = t(%a);
+  return (%y | %gx, %b);
+})");
+    CHECK(passes::fold_double_transposes(*g) == 2);
+    passes::eliminate_dead_code(*g);
+    const std::string text = ir::to_string(*g);
+    CHECK(text.find("mm(%g, %w)") != std::string::npos);
+    CHECK(text.find("%a") == std::string::npos);  // t(t(gw)) gone: the output is %gw
+    CHECK(text.find("return (%y | %gx, %gw)") != std::string::npos);
+    CHECK(passes::fold_double_transposes(*g) == 0);
+  }
+}

@@ -4,8 +4,9 @@
 /// spec (API.md "Compiling"; the seed's CompiledFunction, SPEC.md 2.7, with a trace cache
 /// that retraces on a new spec instead of erroring).
 ///
-/// A miss traces `fn` with `derivatives` backward stages, runs the passes (DCE and CSE
-/// when `optimize`, the graph fuser when `fuse`), builds the stage closures and serves the call from them; a hit
+/// A miss traces `fn` with `derivatives` backward stages, runs the passes (DCE, CSE and
+/// the `t(t(x))` fold when `optimize`, the graph fuser when `fuse`), builds the stage
+/// closures and serves the call from them; a hit
 /// reuses them. Calls are thread-safe: the cache is guarded by a mutex (a miss traces
 /// outside it; two threads missing on one spec may both trace, and the first to finish
 /// is kept), and every call's state lives in the call.
@@ -18,6 +19,7 @@
 #include <stagejit/passes/cse.hpp>
 #include <stagejit/passes/dce.hpp>
 #include <stagejit/passes/graph_fuser.hpp>
+#include <stagejit/passes/peephole.hpp>
 #include <stagejit/trace/trace.hpp>
 
 #include <atomic>
@@ -31,7 +33,7 @@ namespace stagejit {
 struct CompileOptions {
   /// Backward stages traced and compiled after the forward (k: derivatives up to order k).
   int derivatives = 1;
-  /// Run DCE and CSE on the traced graph.
+  /// Run DCE, CSE and `fold_double_transposes` on the traced graph.
   bool optimize = true;
   /// Fuse elementwise chains of each stage into generated CPU kernels (`passes::fuse`).
   bool fuse = true;
@@ -136,6 +138,7 @@ class CompiledFunction {
     if (o.optimize) {
       passes::eliminate_dead_code(*g);
       passes::eliminate_common_subexpressions(*g);
+      passes::fold_double_transposes(*g);
       passes::eliminate_dead_code(*g);
     }
     if (o.fuse) passes::fuse(*g);
