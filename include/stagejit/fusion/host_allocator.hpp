@@ -249,7 +249,6 @@ class ScopedHostAllocator final : public c10::Allocator {
   }
   // Raw blocks come from either allocator; `free_raw` tells them apart.
   c10::DeleterFnPtr raw_deleter() const override { return HostCachingAllocator::get().raw_deleter(); }
-  c10::Allocator* previous() const noexcept { return previous_; }
 
  private:
   c10::Allocator* previous_;

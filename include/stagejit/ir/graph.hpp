@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstddef>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -89,7 +90,7 @@ class CellPool {
   void* allocate() {
     if (free_) {
       void* p = free_;
-      free_ = *static_cast<void**>(p);
+      std::memcpy(&free_, p, sizeof(void*));  // the link stored in the free cell
       return p;
     }
     if (used_ == block_size_) {
@@ -102,8 +103,20 @@ class CellPool {
   }
   /// Returns storage from `allocate` whose object has been destroyed.
   void deallocate(void* p) noexcept {
-    *static_cast<void**>(p) = free_;
+    std::memcpy(p, &free_, sizeof(void*));
     free_ = p;
+  }
+  /// `make(cell)` placement-constructs an object in a fresh cell and returns it; the cell
+  /// goes back to the pool when `make` throws.
+  template <class Make>
+  auto construct(Make&& make) {
+    void* cell = allocate();
+    try {
+      return make(cell);
+    } catch (...) {
+      deallocate(cell);
+      throw;
+    }
   }
 
  private:
@@ -190,7 +203,6 @@ class Value {
   std::string name_;
   std::vector<Use> uses_;
 };
-
 
 /// A node: a kind (`NodeKind`), a stage, ordered inputs and owned outputs.
 class Node {
@@ -621,14 +633,8 @@ class Graph {
  private:
   friend class Node;
   Node* new_node(NodeKind kind, size_t stage) {
-    void* cell = node_pool_.allocate();
-    Node* raw = nullptr;
-    try {
-      raw = new (cell) Node(this, std::move(kind), next_id_++, stage);
-    } catch (...) {
-      node_pool_.deallocate(cell);
-      throw;
-    }
+    Node* raw = node_pool_.construct(
+        [&](void* cell) { return new (cell) Node(this, std::move(kind), next_id_++, stage); });
     std::unique_ptr<Node, detail::NodeDeleter> n(raw);
     n->owner_slot_ = owned_.size();
     owned_.push_back(std::move(n));
@@ -701,14 +707,9 @@ inline Node* Node::set_stage(size_t stage) {
 
 inline Value* Node::add_output(Type type) {
   outputs_.reserve(outputs_.size() + 1);  // no throw after the value is made
-  void* cell = graph_->value_pool_.allocate();
-  Value* raw = nullptr;
-  try {
-    raw = new (cell) Value(this, outputs_.size(), graph_->next_value_id(), std::move(type));
-  } catch (...) {
-    graph_->value_pool_.deallocate(cell);
-    throw;
-  }
+  Value* raw = graph_->value_pool_.construct([&](void* cell) {
+    return new (cell) Value(this, outputs_.size(), graph_->next_value_id(), std::move(type));
+  });
   owned_outputs_.push_back(std::unique_ptr<Value, detail::ValueDeleter>(raw));
   outputs_.push_back(raw);
   return raw;

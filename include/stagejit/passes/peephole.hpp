@@ -19,8 +19,12 @@ namespace stagejit::passes {
 namespace detail {
 inline bool is_plain_transpose(const ir::Node& n) {
   const auto* op = n.get_if<ir::Op>();
-  return op && op->name == "t" && op->attributes.empty() && n.inputs().size() == 1 &&
-         n.outputs().size() == 1 && !n.input(0)->is_handle();
+  if (!op || op->name != "t" || !op->attributes.empty() || n.inputs().size() != 1 ||
+      n.outputs().size() != 1 || n.input(0)->is_handle())
+    return false;
+  // at::t rejects more than 2 dimensions: a (parsed) graph saying so must keep failing.
+  const ir::TensorType* in = n.input(0)->tensor_type();
+  return !in || in->sizes.size() <= 2;
 }
 }  // namespace detail
 
