@@ -15,7 +15,8 @@
 //    split into trace, passes (DCE + CSE), fuser and closure build, best of three rounds;
 //    per-node cost should stay flat (linear growth). For scale, the last column runs the
 //    same chain forward + backward through libtorch's own autograd: how the machine's
-//    caches and allocator treat a graph of that many nodes.
+//    caches and allocator treat a graph of that many nodes; the last column divides our
+//    total by it (flat when our growth is the machine's).
 // 3. (glibc only; last, since it changes the process's malloc settings) part 1 again on
 //    a level field: `mallopt` keeps freed blocks in the heap (no mmap per large block, no
 //    trimming of the heap top), so no variant pays page faults in steady state.
@@ -149,8 +150,9 @@ std::vector<T> chain(const std::vector<T>& in, int n) {
 
 void compile_scaling() {
   std::printf("\ntrace + compile time of generated graphs (forward + one backward stage, [8] doubles)\n");
-  std::printf("  %8s %8s %10s %10s %10s %10s %10s %12s %14s\n", "fwd ops", "nodes", "trace ms",
-              "passes ms", "fuser ms", "closure ms", "total ms", "us per node", "libtorch f+b ms");
+  std::printf("  %8s %8s %10s %10s %10s %10s %10s %12s %14s %10s\n", "fwd ops", "nodes", "trace ms",
+              "passes ms", "fuser ms", "closure ms", "total ms", "us per node", "libtorch f+b ms",
+              "/ libtorch");
   for (int n : {100, 1000, 10000}) {
     sj::variable_list in = {sj::Variable(at::rand({8}, at::kDouble), true),
                             sj::Variable(at::rand({8}, at::kDouble), true)};
@@ -177,8 +179,9 @@ void compile_scaling() {
       t_torch = std::min(t_torch, once_ms([&] { torch::autograd::grad(chain(leaves, n), leaves); }));
     }
     const double total = t_trace + t_passes + t_fuse + t_closure;
-    std::printf("  %8d %8zu %10.2f %10.2f %10.2f %10.2f %10.2f %12.2f %14.2f\n", n, nodes, t_trace,
-                t_passes, t_fuse, t_closure, total, total * 1e3 / double(nodes), t_torch);
+    std::printf("  %8d %8zu %10.2f %10.2f %10.2f %10.2f %10.2f %12.2f %14.2f %10.2f\n", n, nodes,
+                t_trace, t_passes, t_fuse, t_closure, total, total * 1e3 / double(nodes), t_torch,
+                total / t_torch);
   }
 }
 

@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -288,82 +289,127 @@ void progress_bar(int epoch, int epochs, int64_t done, int64_t total, double los
   std::fflush(stdout);
 }
 
-/// Trains from `init` in `mode`; the batch order depends only on the seed.
-RunResult train(Mode mode, const Options& o, const Params& init, const Split& train_set,
-                const Split& test_set) {
-  const bool tty = isatty(1);
-  Params p;
-  for (const auto& t : init) p.push_back(t.clone());
-  Sgd sgd{o.lr, o.momentum, {}};
-  Stepper stepper(mode);
-  const int64_t n = train_set.images.size(0);
-  // The last partial batch of each epoch is dropped (as DataLoader(drop_last=True)): every
-  // step then has one shape, so compile() traces once.
-  const int64_t steps = n / o.batch_size;
-  std::mt19937_64 rng(o.seed);
-  std::vector<int64_t> order(n);
-  RunResult result{mode, {}};
-  std::printf("[%s] %lld steps of %lld images per epoch\n", mode_name(mode), (long long)steps,
-              (long long)o.batch_size);
-  if (o.warmup > 0 && steps > 0) {
-    // One-time costs stay out of images/s; the weights and optimizer state are untouched.
-    Params scratch, scratch_grads;
-    for (const auto& t : p) scratch.push_back(t.clone());
-    auto x = train_set.images.narrow(0, 0, o.batch_size).clone();
-    auto y = train_set.labels.narrow(0, 0, o.batch_size).clone();
-    auto w0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < o.warmup; ++i) stepper.step(x, y, scratch, scratch_grads);
-    std::printf("[%s] %d warm-up step(s): %.0f ms%s\n", mode_name(mode), o.warmup,
-                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - w0).count(),
-                mode == Mode::Compiled ? " (includes the trace and compile)" : "");
+/// Trains from `init` in `mode`, one epoch per call of `epoch()`; the batch order depends
+/// only on the seed, so every mode sees the same batches in the same order.
+class Trainer {
+ public:
+  Trainer(Mode mode, const Options& o, const Params& init, const Split& train_set,
+          const Split& test_set)
+      : mode_(mode), o_(o), train_(train_set), test_(test_set), sgd_{o.lr, o.momentum, {}},
+        stepper_(mode), rng_(o.seed), result_{mode, {}} {
+    for (const auto& t : init) p_.push_back(t.clone());
+    // The last partial batch of each epoch is dropped (as DataLoader(drop_last=True)):
+    // every step then has one shape, so compile() traces once.
+    steps_ = train_.images.size(0) / o.batch_size;
+    order_.resize(static_cast<std::size_t>(train_.images.size(0)));
+    x_ = at::empty({o.batch_size, train_.images.size(1)}, train_.images.options());
+    y_ = at::empty({o.batch_size}, train_.labels.options());
   }
-  for (int epoch = 1; epoch <= o.epochs; ++epoch) {
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    auto perm = at::from_blob(order.data(), {n}, at::kLong).clone();
+
+  /// Untimed steps on a scratch copy of the weights: one-time costs (the trace and kernel
+  /// compile of the compiled step, first-touch memory) stay out of images/s, and the
+  /// weights and optimizer state are untouched.
+  void warmup() {
+    std::printf("[%s] %lld steps of %lld images per epoch\n", mode_name(mode_), (long long)steps_,
+                (long long)o_.batch_size);
+    if (o_.warmup <= 0 || steps_ <= 0) return;
+    Params scratch, scratch_grads;
+    for (const auto& t : p_) scratch.push_back(t.clone());
+    auto x = train_.images.narrow(0, 0, o_.batch_size).clone();
+    auto y = train_.labels.narrow(0, 0, o_.batch_size).clone();
+    auto w0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < o_.warmup; ++i) stepper_.step(x, y, scratch, scratch_grads);
+    std::printf("[%s] %d warm-up step(s): %.0f ms%s\n", mode_name(mode_), o_.warmup,
+                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - w0).count(),
+                mode_ == Mode::Compiled ? " (includes the trace and compile)" : "");
+  }
+
+  /// Trains one epoch (the next one) and evaluates on the test set.
+  void epoch() {
+    const int epoch = static_cast<int>(result_.epochs.size()) + 1;
+    const bool tty = isatty(1);
+    const int64_t n = train_.images.size(0);
+    std::iota(order_.begin(), order_.end(), 0);
+    std::shuffle(order_.begin(), order_.end(), rng_);
+    auto perm = at::from_blob(order_.data(), {n}, at::kLong).clone();
     double loss_sum = 0;
     Params grads;
-    at::Tensor x = at::empty({o.batch_size, train_set.images.size(1)}, train_set.images.options());
-    at::Tensor y = at::empty({o.batch_size}, train_set.labels.options());
     auto t0 = std::chrono::steady_clock::now();
     auto last_draw = t0;
-    for (int64_t s = 0; s < steps; ++s) {
-      auto idx = perm.narrow(0, s * o.batch_size, o.batch_size);
+    for (int64_t s = 0; s < steps_; ++s) {
+      auto idx = perm.narrow(0, s * o_.batch_size, o_.batch_size);
       // Gathered into the same two buffers every step (all modes), as a data loader with
       // reused batch memory does: no fresh 400 KB allocation per step.
-      at::index_select_out(x, train_set.images, 0, idx);
-      at::index_select_out(y, train_set.labels, 0, idx);
-      double loss = stepper.step(x, y, p, grads);
+      at::index_select_out(x_, train_.images, 0, idx);
+      at::index_select_out(y_, train_.labels, 0, idx);
+      double loss = stepper_.step(x_, y_, p_, grads);
       if (!std::isfinite(loss))
         throw std::runtime_error("training diverged: loss " + std::to_string(loss) +
                                  " at epoch " + std::to_string(epoch) + " step " +
                                  std::to_string(s) + " (try a smaller --lr)");
       loss_sum += loss;
-      sgd.apply(p, grads);
+      sgd_.apply(p_, grads);
       auto now = std::chrono::steady_clock::now();
-      if (tty && (now - last_draw > std::chrono::milliseconds(100) || s + 1 == steps)) {
+      if (tty && (now - last_draw > std::chrono::milliseconds(100) || s + 1 == steps_)) {
         last_draw = now;
         double el = std::chrono::duration<double>(now - t0).count();
-        double ips = double((s + 1) * o.batch_size) / el;
-        double eta = el / double(s + 1) * double(steps - s - 1);
-        progress_bar(epoch, o.epochs, s + 1, steps, loss_sum / double(s + 1), ips, eta);
+        double ips = double((s + 1) * o_.batch_size) / el;
+        double eta = el / double(s + 1) * double(steps_ - s - 1);
+        progress_bar(epoch, o_.epochs, s + 1, steps_, loss_sum / double(s + 1), ips, eta);
       }
     }
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (tty) std::printf("\n");
-    EpochResult r{epoch, loss_sum / double(std::max<int64_t>(steps, 1)),
-                  test_accuracy(p, test_set), double(steps * o.batch_size) / secs, secs};
+    EpochResult r{epoch, loss_sum / double(std::max<int64_t>(steps_, 1)), test_accuracy(p_, test_),
+                  double(steps_ * o_.batch_size) / secs, secs};
     std::printf("[%s] epoch %d/%d  train loss %.4f  test accuracy %.2f%%  %.0f images/s  %.2fs\n",
-                mode_name(mode), epoch, o.epochs, r.train_loss, 100 * r.test_accuracy,
+                mode_name(mode_), epoch, o_.epochs, r.train_loss, 100 * r.test_accuracy,
                 r.images_per_s, r.seconds);
     std::fflush(stdout);
-    result.epochs.push_back(r);
+    result_.epochs.push_back(r);
   }
-  if (mode == Mode::Compiled) {
-    auto st = stepper.stats();
-    std::printf("[compiled] compile cache: %zu miss(es), %zu hit(s)\n", st.misses, st.hits);
+
+  /// The epochs so far (and, for the compiled step, its compile-cache counts printed).
+  RunResult finish() const {
+    if (mode_ == Mode::Compiled) {
+      auto st = stepper_.stats();
+      std::printf("[compiled] compile cache: %zu miss(es), %zu hit(s)\n", st.misses, st.hits);
+    }
+    return result_;
   }
-  return result;
+
+ private:
+  Mode mode_;
+  const Options& o_;
+  const Split& train_;
+  const Split& test_;
+  Params p_;
+  Sgd sgd_;
+  Stepper stepper_;
+  std::mt19937_64 rng_;
+  RunResult result_;
+  int64_t steps_ = 0;
+  std::vector<int64_t> order_;
+  at::Tensor x_, y_;
+};
+
+/// Trains every mode of `modes` for `o.epochs` epochs. With several modes the epochs are
+/// interleaved (epoch 1 of each mode, then epoch 2 of each, the order rotating by one
+/// every epoch), so a machine that gets faster or slower during the run (frequency,
+/// other load) shifts every mode alike instead of whichever mode ran last.
+std::vector<RunResult> train_all(const std::vector<Mode>& modes, const Options& o,
+                                 const Params& init, const Split& train_set, const Split& test_set) {
+  std::vector<std::unique_ptr<Trainer>> trainers;
+  for (Mode m : modes) {
+    trainers.push_back(std::make_unique<Trainer>(m, o, init, train_set, test_set));
+    trainers.back()->warmup();
+  }
+  for (int epoch = 0; epoch < o.epochs; ++epoch)
+    for (std::size_t k = 0; k < trainers.size(); ++k)
+      trainers[(k + static_cast<std::size_t>(epoch)) % trainers.size()]->epoch();
+  std::vector<RunResult> runs;
+  for (const auto& t : trainers) runs.push_back(t->finish());
+  return runs;
 }
 
 void write_metrics(const std::string& path, const std::vector<RunResult>& runs) {
@@ -482,7 +528,7 @@ int main(int argc, char** argv) {
   auto* eager = app.add_flag("--eager", o.eager, "Run the step through stagejit's eager autograd");
   auto* lt = app.add_flag("--libtorch", o.libtorch, "Run the step through libtorch's autograd");
   auto* cmp = app.add_flag("--compare", o.compare,
-                           "Train compiled, eager and libtorch in turn and compare throughput");
+                           "Train compiled, eager and libtorch (epochs interleaved) and compare throughput");
   eager->excludes(lt)->excludes(cmp);
   lt->excludes(cmp);
   app.add_option("--check-gradients", o.check_gradients,
@@ -541,8 +587,7 @@ int main(int argc, char** argv) {
     // Touch every training image once, so the first mode does not pay the first-touch
     // page faults of the 188 MB dataset inside its timed epoch.
     if (o.warmup > 0) (void)train_set.images.sum().item<double>();
-    std::vector<RunResult> runs;
-    for (Mode m : modes) runs.push_back(train(m, o, init, train_set, test_set));
+    std::vector<RunResult> runs = train_all(modes, o, init, train_set, test_set);
     print_summary(runs);
     if (!o.metrics.empty()) write_metrics(o.metrics, runs);
   } catch (const sj::Error& e) {

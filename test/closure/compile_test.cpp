@@ -190,6 +190,26 @@ TEST_SUITE("closure") {
     CHECK(f.stats().misses == 2);
   }
 
+  TEST_CASE("an output that folds to an input is a view of it, not the caller's tensor") {
+    // t(t(W)) folds to W (fold_double_transposes): the output must behave as eager's view.
+    auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::t(sj::t(in[0])), in[0] * 2.0};
+    });
+    const at::Tensor w = at::arange(6, at::kDouble).reshape({2, 3});
+    auto x = sj::Variable(w, true);
+    auto outs = f({x});
+    at::Tensor y = outs[0].data();
+    CHECK(y.unsafeGetTensorImpl() != w.unsafeGetTensorImpl());
+    CHECK(y.is_alias_of(w));
+    y.t_();  // a metadata change of the output does not reach W
+    CHECK(w.sizes() == at::IntArrayRef({2, 3}));
+    CHECK(x.data().sizes() == at::IntArrayRef({2, 3}));
+    y.t_();
+    // and the gradient still flows through the folded output
+    auto g = sj::grad({sj::sum(outs[0]) + sj::sum(outs[1])}, {x})[0];
+    CHECK(at::allclose(g.data(), at::full({2, 3}, 3.0, at::kDouble), 0, 0));
+  }
+
   TEST_CASE("bug log: a shape change re-traces") {
     auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
       return {sj::sum(sj::reshape(in[0], {-1}) * 2.0)};

@@ -16,6 +16,8 @@
 /// - After the last compiled stage the grad_fn is an `ErrorFunction` that runs (it has
 ///   the edges) and throws "compiled only for K derivatives" (SPEC 7, item 14).
 /// - Undefined incoming gradients become zeros of the traced shape and dtype.
+/// - An output that is one of the call's input tensors itself (passes removed the ops
+///   between) is returned as a view of it, as eager code would return.
 /// - Outputs get a grad_fn only in grad mode (stage 0: the caller's; stage k >= 1: the
 ///   backward's create_graph), as eager autograd does.
 
@@ -28,6 +30,7 @@
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/trace/trace.hpp>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -190,6 +193,12 @@ class StageCall final : public ClosureImpl {
       for (const auto& e : edges) any_edge = any_edge || e.is_valid();
       if (any && any_edge) grad_fn = make_next(state, edges);
     }
+    // The inputs' tensors, sorted, for `alias_if_input`.
+    std::vector<const c10::TensorImpl*> input_impls;
+    input_impls.reserve(inputs.size());
+    for (const auto& in : inputs)
+      if (in.defined()) input_impls.push_back(in.data().unsafeGetTensorImpl());
+    std::sort(input_impls.begin(), input_impls.end());
     variable_list result;
     result.reserve(outs.size());
     uint32_t next_input = 0;
@@ -200,14 +209,27 @@ class StageCall final : public ClosureImpl {
         if (rg) ++next_input;
         continue;
       }
+      at::Tensor data = alias_if_input(outs[i].data(), input_impls);
       if (rg && grad_fn) {
-        result.emplace_back(outs[i].data(), Edge{grad_fn, next_input});
+        result.emplace_back(std::move(data), Edge{grad_fn, next_input});
       } else {
-        result.emplace_back(outs[i].data());
+        result.emplace_back(std::move(data));
       }
       if (rg) ++next_input;
     }
     return result;
+  }
+
+  /// `out`, or a view of it (`at::alias`: same storage, sizes and strides, its own
+  /// TensorImpl) when `out` is the very tensor of one of the stage's inputs (`inputs`:
+  /// their TensorImpls, sorted). A stage can return an input unchanged once passes have
+  /// removed the ops between (`t(t(W))` folds to `W`); eager code returns a view there,
+  /// so in-place metadata changes of the output (`t_`, `resize_`, `as_strided_`) must
+  /// not reach the caller's tensor. Data written in place reaches it, as through any view.
+  static at::Tensor alias_if_input(at::Tensor out, const std::vector<const c10::TensorImpl*>& inputs) {
+    return std::binary_search(inputs.begin(), inputs.end(), out.unsafeGetTensorImpl())
+               ? at::alias(out)
+               : out;
   }
 
  private:
