@@ -7,19 +7,20 @@
 //    branches), libtorch eager, and libtorch eager inside a fusion::HostCacheScope (what
 //    the allocator alone would give libtorch); median times (ms) and speed-ups over
 //    libtorch eager, results checked against libtorch. A last row times the step's six
-//    matrix products alone (ATen `mm_out` into preallocated outputs, same shapes and
-//    transposes): the floor no variant can go below, so libtorch / floor is the largest
-//    speed-up any compiler of this step could show on this machine.
+//    matrix products alone (ATen `mm_out` into preallocated outputs, the same shapes):
+//    an estimate of the floor under any variant that computes these products, so
+//    libtorch / floor bounds the speed-up a compiler of this step could show here.
 // 2. Trace + compile time of generated graphs of about 100, 1 000 and 10 000 forward
 //    nodes (a chain of elementwise ops with fan-out on [8] doubles, one backward stage),
 //    split into trace, passes (DCE + CSE), fuser and closure build, best of three rounds;
 //    per-node cost should stay flat (linear growth). For scale, the last column runs the
-//    same chain forward + backward through libtorch's own autograd: how the machine's
-//    caches and allocator treat a graph of that many nodes; the last column divides our
-//    total by it (flat when our growth is the machine's).
+//    same chain forward + backward through libtorch's own autograd (`libtorch f+b`):
+//    how the machine's caches and allocator treat a graph of that many nodes; the last
+//    column divides our total by it (flat when our growth is the machine's).
 // 3. (glibc only; last, since it changes the process's malloc settings) part 1 again on
-//    a level field: `mallopt` keeps freed blocks in the heap (no mmap per large block, no
-//    trimming of the heap top), so no variant pays page faults in steady state.
+//    a level field: `mallopt` keeps freed blocks in the heap (blocks up to 32 MiB from
+//    the heap instead of mmap, the heap top never trimmed), so no variant pays page
+//    faults in steady state.
 // Options: --reps R (default 30), --threads T (ATen intra-op threads; default ATen's),
 // --part all|lstm|compile|level (default all). With $STAGEJIT_BENCH_PRINT_GRAPH set, prints
 // the LSTM cell's compiled graphs.
@@ -126,7 +127,7 @@ void lstm(int reps, bool level_field) {
   row("stagejit compiled, fusion on", t_fused, t_torch);
   row("  ... and inter-op parallel", t_fused_par, t_torch);
   row("  ... without the host memory cache", t_fused_nocache, t_torch);
-  row("the six matrix products alone (floor)", t_floor, t_torch);
+  row("six matrix products alone (floor)", t_floor, t_torch);
   std::printf("  max relative difference of the gradients to libtorch: %.2g\n", diff);
   std::printf("  target: fused >= 1.3x libtorch (%s); the largest speed-up the products allow: %.2fx\n",
               t_torch / t_fused >= 1.3 ? "met" : "NOT met", t_torch / t_floor);
@@ -164,7 +165,10 @@ void compile_scaling() {
     std::size_t nodes = 0;
     for (int round = 0; round < 3; ++round) {
       sj::Trace tr;
-      t_trace = std::min(t_trace, once_ms([&] { tr = sj::trace(fn, {in[0], in[1]}, {.derivatives = 1}); }));
+      t_trace = std::min(t_trace, once_ms([&] {
+        tr = sj::trace(fn, {in[0], in[1]}, {.derivatives = 1});
+        tr.drop_eager_results();  // as compile() does
+      }));
       auto g = tr.graph();
       t_passes = std::min(t_passes, once_ms([&] {
         sj::passes::eliminate_dead_code(*g);
@@ -190,9 +194,16 @@ void compile_scaling() {
 int main(int argc, char** argv) {
   int reps = 30;
   std::string part = "all";
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "usage: %s [--reps R] [--threads T] [--part all|lstm|compile|level]\n", argv[0]);
+      return 1;
+    }
     if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--part")) part = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--part") &&
+             (!std::strcmp(argv[i + 1], "all") || !std::strcmp(argv[i + 1], "lstm") ||
+              !std::strcmp(argv[i + 1], "compile") || !std::strcmp(argv[i + 1], "level")))
+      part = argv[i + 1];
     else if (!std::strcmp(argv[i], "--threads")) at::set_num_threads(std::atoi(argv[i + 1]));
     else {
       std::fprintf(stderr, "usage: %s [--reps R] [--threads T] [--part all|lstm|compile|level]\n", argv[0]);
@@ -203,9 +214,12 @@ int main(int argc, char** argv) {
   if (part == "all" || part == "compile") compile_scaling();
   if (part == "all" || part == "level") {
 #if defined(__GLIBC__)
-    // Large blocks from the heap instead of mmap, and the heap top never given back.
-    mallopt(M_MMAP_THRESHOLD, 256 << 20);
-    mallopt(M_TRIM_THRESHOLD, 1 << 30);
+    // Blocks up to 32 MiB (glibc's largest mmap threshold on 64-bit) from the heap, and
+    // the heap top never given back. The LSTM step's largest block is 4 MiB.
+    if (mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 || mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1) {
+      std::fprintf(stderr, "mallopt refused the level-field settings\n");
+      return 1;
+    }
     lstm(reps, true);
 #else
     std::printf("\n(level-field part skipped: it sets glibc malloc options)\n");

@@ -277,14 +277,14 @@ std::string fmt_duration(double s) {
   return buf;
 }
 
-void progress_bar(int epoch, int epochs, int64_t done, int64_t total, double loss,
-                  double ips, double eta) {
+void progress_bar(const char* mode, int epoch, int epochs, int64_t done, int64_t total,
+                  double loss, double ips, double eta) {
   const int width = 30;
   int filled = total ? int(width * done / total) : width;
   std::string bar(filled, '#');
   bar.resize(width, '.');
-  std::printf("\repoch %d/%d [%s] %3d%%  loss %.4f  %7.0f img/s  ETA %s   ", epoch, epochs,
-              bar.c_str(), int(100 * done / std::max<int64_t>(total, 1)), loss, ips,
+  std::printf("\r[%s] epoch %d/%d [%s] %3d%%  loss %.4f  %7.0f img/s  ETA %s   ", mode, epoch,
+              epochs, bar.c_str(), int(100 * done / std::max<int64_t>(total, 1)), loss, ips,
               fmt_duration(eta).c_str());
   std::fflush(stdout);
 }
@@ -355,7 +355,8 @@ class Trainer {
         double el = std::chrono::duration<double>(now - t0).count();
         double ips = double((s + 1) * o_.batch_size) / el;
         double eta = el / double(s + 1) * double(steps_ - s - 1);
-        progress_bar(epoch, o_.epochs, s + 1, steps_, loss_sum / double(s + 1), ips, eta);
+        progress_bar(mode_name(mode_), epoch, o_.epochs, s + 1, steps_, loss_sum / double(s + 1),
+                     ips, eta);
       }
     }
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

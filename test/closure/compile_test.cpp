@@ -198,6 +198,9 @@ TEST_SUITE("closure") {
     const at::Tensor w = at::arange(6, at::kDouble).reshape({2, 3});
     auto x = sj::Variable(w, true);
     auto outs = f({x});
+    // The fold did happen: no transpose is left in the forward.
+    for (auto* n : f.graph_for({x})->nodes())
+      if (n->stage() == 0) CHECK_FALSE(n->describe() == "t");
     at::Tensor y = outs[0].data();
     CHECK(y.unsafeGetTensorImpl() != w.unsafeGetTensorImpl());
     CHECK(y.is_alias_of(w));
@@ -208,6 +211,16 @@ TEST_SUITE("closure") {
     // and the gradient still flows through the folded output
     auto g = sj::grad({sj::sum(outs[0]) + sj::sum(outs[1])}, {x})[0];
     CHECK(at::allclose(g.data(), at::full({2, 3}, 3.0, at::kDouble), 0, 0));
+
+    // Stage 1: the backward of t(t(x)) hands the grad output through; the result is a
+    // view of it, not the caller's grad output tensor.
+    auto h = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::t(sj::t(in[0]))};
+    });
+    const at::Tensor go = at::ones({2, 3}, at::kDouble);
+    auto gx = sj::grad(h({x}), {x}, {sj::Variable(go)})[0].data();
+    CHECK(at::equal(gx, go));
+    CHECK(gx.unsafeGetTensorImpl() != go.unsafeGetTensorImpl());
   }
 
   TEST_CASE("bug log: a shape change re-traces") {

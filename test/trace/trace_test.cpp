@@ -208,6 +208,28 @@ TEST_SUITE("trace") {
     CHECK(tr.output_edges(0).empty());
   }
 
+  TEST_CASE("drop_eager_results frees the recorded autograd graph and keeps what compile() reads") {
+    auto x = sj::Variable(at::tensor({1.0, 2.0, 3.0}, at::kDouble), true);
+    sj::Trace tr = sj::trace([](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::tanh(in[0] * in[0])};
+    }, {x}, {.derivatives = 1});
+    // The stage-0 output's tensor lives only in the trace's eager results.
+    c10::weak_intrusive_ptr<c10::TensorImpl> out(tr.outputs()[0].data().getIntrusivePtr());
+    CHECK_FALSE(out.expired());
+    const auto text = sj::ir::to_string(*tr.graph());
+    CHECK_FALSE(tr.eager_results_dropped());
+    tr.drop_eager_results();
+    CHECK(tr.eager_results_dropped());
+    CHECK(out.expired());
+    CHECK(sj::ir::to_string(*tr.graph()) == text);
+    CHECK(tr.num_stages() == 2);
+    CHECK(tr.gradient_of(1) == std::vector<std::size_t>{0});
+    CHECK(tr.flags(1).outputs.size() == 1);
+    CHECK_THROWS_WITH_AS(tr.outputs(), doctest::Contains("eager results were dropped"), sj::Error);
+    CHECK_THROWS_AS(tr.stage_inputs(0), sj::Error);
+    CHECK_THROWS_AS(tr.output_edges(1), sj::Error);
+  }
+
   TEST_CASE("errors: an output with no data dependence on the inputs is a TraceError") {
     auto x = sj::Variable(at::ones({2}, at::kDouble), true);
     auto fn = [](const sj::variable_list&) -> sj::variable_list {

@@ -16,8 +16,8 @@
 /// - After the last compiled stage the grad_fn is an `ErrorFunction` that runs (it has
 ///   the edges) and throws "compiled only for K derivatives" (SPEC 7, item 14).
 /// - Undefined incoming gradients become zeros of the traced shape and dtype.
-/// - An output that is one of the call's input tensors itself (passes removed the ops
-///   between) is returned as a view of it, as eager code would return.
+/// - An output that is one of the tensors the call was fed (passes removed the ops
+///   between) is returned as a view of it, never as the caller's tensor itself.
 /// - Outputs get a grad_fn only in grad mode (stage 0: the caller's; stage k >= 1: the
 ///   backward's create_graph), as eager autograd does.
 
@@ -193,11 +193,15 @@ class StageCall final : public ClosureImpl {
       for (const auto& e : edges) any_edge = any_edge || e.is_valid();
       if (any && any_edge) grad_fn = make_next(state, edges);
     }
-    // The inputs' tensors, sorted, for `alias_if_input`.
+    // The tensors the call was fed (its inputs and the earlier-stage values it was primed
+    // with), sorted, for `alias_if_input`.
     std::vector<const c10::TensorImpl*> input_impls;
-    input_impls.reserve(inputs.size());
+    input_impls.reserve(inputs.size() + d.stages[stage_].prev_slots.size());
     for (const auto& in : inputs)
       if (in.defined()) input_impls.push_back(in.data().unsafeGetTensorImpl());
+    for (std::size_t slot : d.stages[stage_].prev_slots)
+      if (slot < env_values_.size() && env_values_[slot].defined())
+        input_impls.push_back(env_values_[slot].data().unsafeGetTensorImpl());
     std::sort(input_impls.begin(), input_impls.end());
     variable_list result;
     result.reserve(outs.size());
@@ -221,11 +225,12 @@ class StageCall final : public ClosureImpl {
   }
 
   /// `out`, or a view of it (`at::alias`: same storage, sizes and strides, its own
-  /// TensorImpl) when `out` is the very tensor of one of the stage's inputs (`inputs`:
+  /// TensorImpl) when `out` is the very tensor of something the call was fed (`inputs`:
   /// their TensorImpls, sorted). A stage can return an input unchanged once passes have
-  /// removed the ops between (`t(t(W))` folds to `W`); eager code returns a view there,
-  /// so in-place metadata changes of the output (`t_`, `resize_`, `as_strided_`) must
-  /// not reach the caller's tensor. Data written in place reaches it, as through any view.
+  /// removed the ops between (`t(t(W))` folds to `W`, where eager code returns a view),
+  /// so an output is never the caller's tensor itself: in-place metadata changes of it
+  /// (`t_`, `resize_`, `as_strided_`) do not reach the caller's tensor, while data
+  /// written in place does, as through any view.
   static at::Tensor alias_if_input(at::Tensor out, const std::vector<const c10::TensorImpl*>& inputs) {
     return std::binary_search(inputs.begin(), inputs.end(), out.unsafeGetTensorImpl())
                ? at::alias(out)

@@ -134,6 +134,9 @@ class CompiledFunction {
                                            : Variable());
     const auto& o = state_->options;
     Trace tr = trace(state_->fn, leaves, TraceOptions{o.derivatives});
+    // This call is served by the closures below, not by the eager results: free them (and
+    // the tensors they saved) before the passes run.
+    tr.drop_eager_results();
     std::shared_ptr<ir::Graph> g = tr.graph();
     if (o.optimize) {
       passes::eliminate_dead_code(*g);

@@ -25,6 +25,7 @@
 
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/variable.hpp>
+#include <stagejit/core/error.hpp>
 #include <stagejit/ir/graph.hpp>
 
 #include <cstddef>
@@ -70,12 +71,21 @@ class Trace {
  public:
   /// The recorded multi-stage graph (lints).
   const std::shared_ptr<ir::Graph>& graph() const noexcept { return graph_; }
-  /// The stage-0 outputs, computed eagerly while tracing.
-  const variable_list& outputs() const noexcept { return stage_outputs_.at(0); }
-  /// The outputs of stage `s` (the gradients it returned while tracing).
-  const variable_list& stage_outputs(std::size_t s) const { return stage_outputs_.at(s); }
-  /// The inputs fed to stage `s` while tracing (stage 0: the traced leaves).
-  const variable_list& stage_inputs(std::size_t s) const { return stage_inputs_.at(s); }
+  /// The stage-0 outputs, computed eagerly while tracing. Throws Error after
+  /// `drop_eager_results`.
+  const variable_list& outputs() const { return stage_outputs(0); }
+  /// The outputs of stage `s` (the gradients it returned while tracing). Throws Error
+  /// after `drop_eager_results`.
+  const variable_list& stage_outputs(std::size_t s) const {
+    check_eager("stage_outputs");
+    return stage_outputs_.at(s);
+  }
+  /// The inputs fed to stage `s` while tracing (stage 0: the traced leaves). Throws Error
+  /// after `drop_eager_results`.
+  const variable_list& stage_inputs(std::size_t s) const {
+    check_eager("stage_inputs");
+    return stage_inputs_.at(s);
+  }
   /// Number of stages (derivatives + 1).
   std::size_t num_stages() const noexcept { return flags_.size(); }
   /// Input and output flags of stage `s` (SPEC 2.5).
@@ -83,12 +93,34 @@ class Trace {
   /// For s >= 1: the autograd edges stage s's outputs flow into at trace time (the
   /// gradient edges of the earlier-stage inputs they are gradients of), aligned with the
   /// stage's outputs. Empty for stage 0 (SPEC 2.5).
-  const std::vector<Edge>& output_edges(std::size_t s) const { return output_edges_.at(s); }
+  /// Throws Error after `drop_eager_results`.
+  const std::vector<Edge>& output_edges(std::size_t s) const {
+    check_eager("output_edges");
+    return output_edges_.at(s);
+  }
   /// For s >= 1: the index in `graph()->inputs()` of the input each output of stage s is
   /// the gradient of.
   const std::vector<std::size_t>& gradient_of(std::size_t s) const { return gradient_of_.at(s); }
 
+  /// Frees the eager results: the stage outputs and inputs and the output edges, i.e.
+  /// the autograd graph the trace recorded with every tensor it saved (a few hundred
+  /// bytes per traced op). Keeps the graph, the flags and `gradient_of`, all that the
+  /// closure compiler reads. `compile()` calls it right after tracing, so the passes and
+  /// the closure build work with the IR alone in memory.
+  void drop_eager_results() noexcept {
+    stage_outputs_ = {};
+    stage_inputs_ = {};
+    output_edges_ = {};
+    eager_dropped_ = true;
+  }
+  /// True after `drop_eager_results`.
+  bool eager_results_dropped() const noexcept { return eager_dropped_; }
+
  private:
+  void check_eager(const char* what) const {
+    STAGEJIT_CHECK(!eager_dropped_, "Trace::", what, ": the eager results were dropped "
+                   "(drop_eager_results)");
+  }
   friend Trace trace(const traced_fn&, const variable_list&, TraceOptions);
   std::shared_ptr<ir::Graph> graph_;
   std::vector<variable_list> stage_outputs_;
@@ -96,6 +128,7 @@ class Trace {
   std::vector<StageFlags> flags_;
   std::vector<std::vector<Edge>> output_edges_;
   std::vector<std::vector<std::size_t>> gradient_of_;
+  bool eager_dropped_ = false;
 };
 
 /// Traces `fn` on `inputs` with `options.derivatives` backward stages (see the file
