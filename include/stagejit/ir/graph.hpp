@@ -313,9 +313,9 @@ class Node {
     Value* v = output(i);
     STAGEJIT_CHECK_AS(IrError, !v->has_uses(), "cannot erase output ", i, " of node #", id_,
                       " (", describe(), "): it still has ", v->uses().size(), " uses");
-    owned_outputs_.erase(owned_outputs_.begin() + i);
     outputs_.erase(outputs_.begin() + i);
     for (size_t j = i; j < outputs_.size(); ++j) outputs_[j]->offset_ = j;
+    detail::ValueDeleter{}(v);
   }
   /// Redirects the uses of each output to the same-index output of `other`.
   void replace_all_uses_with(Node* other) {
@@ -365,6 +365,8 @@ class Node {
   friend struct detail::NodeDeleter;
   Node(Graph* graph, NodeKind kind, size_t id, size_t stage)
       : graph_(graph), kind_(std::move(kind)), id_(id), stage_(stage) {}
+  /// Destroys the outputs (they live in the graph's value pool and die with the node).
+  ~Node();
   void check_same_graph(Value* v) const {
     STAGEJIT_CHECK_AS(IrError, v != nullptr, "node #", id_, " (", describe(), "): null input");
     STAGEJIT_CHECK_AS(IrError, v->owning_graph() == graph_, "node #", id_, " (", describe(),
@@ -383,8 +385,7 @@ class Node {
   size_t id_;
   size_t stage_;
   std::vector<Value*> inputs_;
-  std::vector<std::unique_ptr<Value, detail::ValueDeleter>> owned_outputs_;
-  std::vector<Value*> outputs_;
+  std::vector<Value*> outputs_;  // owned: destroyed by ~Node and erase_output
   Node* prev_ = nullptr;
   Node* next_ = nullptr;
   size_t owner_slot_ = 0;  // index in the graph's `owned_`
@@ -512,6 +513,8 @@ class Graph {
                       "Graph::create cannot make ", ir::kind_name(kind),
                       " nodes (use add_input / register_output)");
     Node* n = new_node(std::move(kind), current_stage_);
+    n->inputs_.reserve(inputs.size());  // one block each instead of growing by doubling
+    n->outputs_.reserve(output_types.size());
     for (Value* v : inputs) n->add_input(v);
     for (const Type& t : output_types) n->add_output(t);
     return n;
@@ -566,6 +569,8 @@ class Graph {
                       "create_clone cannot copy a ", ir::kind_name(kind), " node");
     Node* c = new_node(std::move(kind), n.stage_);
     ensure_stage(n.stage_);
+    c->inputs_.reserve(n.inputs_.size());
+    c->outputs_.reserve(n.outputs_.size());
     for (Value* v : n.inputs_) c->add_input(value_map(v));
     for (Value* v : n.outputs_) {
       Value* o = c->add_output(v->type_);
@@ -686,6 +691,10 @@ inline void detail::ValueDeleter::operator()(Value* v) const noexcept {
   g->value_pool_.deallocate(v);
 }
 
+inline Node::~Node() {
+  for (Value* v : outputs_) detail::ValueDeleter{}(v);
+}
+
 inline size_t Value::stage() const noexcept { return node_->stage(); }
 inline Graph* Value::owning_graph() const noexcept { return node_->owning_graph(); }
 
@@ -706,11 +715,11 @@ inline Node* Node::set_stage(size_t stage) {
 }
 
 inline Value* Node::add_output(Type type) {
-  outputs_.reserve(outputs_.size() + 1);  // no throw after the value is made
+  // Room first (doubling), so that nothing throws once the value is made.
+  if (outputs_.size() == outputs_.capacity()) outputs_.reserve(std::max<size_t>(1, 2 * outputs_.size()));
   Value* raw = graph_->value_pool_.construct([&](void* cell) {
     return new (cell) Value(this, outputs_.size(), graph_->next_value_id(), std::move(type));
   });
-  owned_outputs_.push_back(std::unique_ptr<Value, detail::ValueDeleter>(raw));
   outputs_.push_back(raw);
   return raw;
 }
