@@ -133,10 +133,10 @@ class CompiledFunction {
       leaves.push_back(inputs[i].defined() ? Variable(inputs[i].data(), spec.inputs[i].requires_grad)
                                            : Variable());
     const auto& o = state_->options;
+    // The trace's eager results stay alive until the closures are built: freeing their
+    // many small autograd records first makes malloc place the IR the passes create in
+    // the holes they leave (Trace::drop_eager_results explains).
     Trace tr = trace(state_->fn, leaves, TraceOptions{o.derivatives});
-    // This call is served by the closures below, not by the eager results: free them (and
-    // the tensors they saved) before the passes run.
-    tr.drop_eager_results();
     std::shared_ptr<ir::Graph> g = tr.graph();
     if (o.optimize) {
       passes::eliminate_dead_code(*g);

@@ -105,8 +105,11 @@ class Trace {
   /// Frees the eager results: the stage outputs and inputs and the output edges, i.e.
   /// the autograd graph the trace recorded with every tensor it saved (a few hundred
   /// bytes per traced op). Keeps the graph, the flags and `gradient_of`, all that the
-  /// closure compiler reads. `compile()` calls it right after tracing, so the passes and
-  /// the closure build work with the IR alone in memory.
+  /// closure compiler reads: for a caller that keeps a Trace (or its graph) around.
+  /// `compile()` does not call it before its passes: with glibc's malloc, freeing
+  /// thousands of small autograd records just before the passes made them place the new
+  /// IR in the holes left behind, and `clone` and the fuser ran 2-4x slower on a
+  /// 1 000-op chain (bench/closure.md).
   void drop_eager_results() noexcept {
     stage_outputs_ = {};
     stage_inputs_ = {};
