@@ -224,6 +224,7 @@ class StageCall final : public ClosureImpl {
     return result;
   }
 
+ private:
   /// `out`, or a view of it (`at::alias`: same storage, sizes and strides, its own
   /// TensorImpl) when `out` is the very tensor of something the call was fed (`inputs`:
   /// their TensorImpls, sorted). A stage can return an input unchanged once passes have
@@ -237,7 +238,6 @@ class StageCall final : public ClosureImpl {
                : out;
   }
 
- private:
   std::shared_ptr<Function> make_next(CallState& state, const std::vector<Edge>& edges) {
     const auto& d = *desc_;
     const std::size_t next = stage_ + 1;

@@ -107,8 +107,8 @@ class Trace {
   /// bytes per traced op). Keeps the graph, the flags and `gradient_of`, all that the
   /// closure compiler reads: for a caller that keeps a Trace (or its graph) around.
   /// `compile()` does not call it before its passes: with glibc's malloc, freeing
-  /// thousands of small autograd records just before the passes made them place the new
-  /// IR in the holes left behind, and `clone` and the fuser ran 2-4x slower on a
+  /// thousands of small autograd records just before the passes made malloc place the
+  /// new IR in the holes they left, and `clone` and the fuser ran 2-4x slower on a
   /// 1 000-op chain (bench/closure.md).
   void drop_eager_results() noexcept {
     stage_outputs_ = {};
