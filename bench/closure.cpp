@@ -191,22 +191,18 @@ void compile_scaling() {
 int main(int argc, char** argv) {
   int reps = 30;
   std::string part = "all";
+  auto usage = [&] {
+    std::fprintf(stderr, "usage: %s [--reps R] [--threads T] [--part all|lstm|compile|level]\n", argv[0]);
+    return 1;
+  };
   for (int i = 1; i < argc; i += 2) {
-    if (i + 1 >= argc) {
-      std::fprintf(stderr, "usage: %s [--reps R] [--threads T] [--part all|lstm|compile|level]\n", argv[0]);
-      return 1;
-    }
+    if (i + 1 >= argc) return usage();
     if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--part") &&
-             (!std::strcmp(argv[i + 1], "all") || !std::strcmp(argv[i + 1], "lstm") ||
-              !std::strcmp(argv[i + 1], "compile") || !std::strcmp(argv[i + 1], "level")))
-      part = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--part")) part = argv[i + 1];
     else if (!std::strcmp(argv[i], "--threads")) at::set_num_threads(std::atoi(argv[i + 1]));
-    else {
-      std::fprintf(stderr, "usage: %s [--reps R] [--threads T] [--part all|lstm|compile|level]\n", argv[0]);
-      return 1;
-    }
+    else return usage();
   }
+  if (part != "all" && part != "lstm" && part != "compile" && part != "level") return usage();
   if (part == "all" || part == "lstm") lstm(reps, false);
   if (part == "all" || part == "compile") compile_scaling();
   if (part == "all" || part == "level") {
