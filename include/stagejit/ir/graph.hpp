@@ -16,6 +16,8 @@
 /// output of a HostOp or Eval node and the last input of an Eval node (`ir::lint`).
 
 #include <ATen/ATen.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <cctype>
@@ -52,6 +54,29 @@ struct Use {
 
 /// Prints `Use(user #id, offset)` (for test and log messages).
 std::ostream& operator<<(std::ostream& os, const Use& u);
+
+/// Note [Inline edge lists]: a node's inputs and outputs and a value's uses live inside
+/// the node or value (c10::SmallVector; a heap block only past two inputs, two outputs
+/// or one use), so a pass walking the graph touches the node and value cells of the
+/// graph's pools and nothing else. The accessors return these lists by const reference;
+/// copy one (`auto ins = n->inputs();`) to keep a snapshot while mutating the node.
+/// A node's inputs or outputs (`Node::inputs()`, `Node::outputs()`, `Graph::outputs()`).
+using ValueList = c10::SmallVector<Value*, 2>;
+/// A value's uses (`Value::uses()`).
+using UseList = c10::SmallVector<Use, 1>;
+
+/// Element-wise comparison of an inline list with a `std::vector` (found by ADL for
+/// lists of `Value*`, `Node*` and `Use`).
+template <class T>
+bool operator==(const c10::SmallVectorImpl<T>& a, const std::vector<T>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end());
+}
+template <class T>
+bool operator==(const std::vector<T>& a, const c10::SmallVectorImpl<T>& b) {
+  return b == a;
+}
+/// A `std::vector` copy of an inline list (or any range of `Value*`).
+inline std::vector<Value*> to_vector(c10::ArrayRef<Value*> values) { return values.vec(); }
 
 /// Where a node came from in IR text (1-based; 0 when it was not parsed).
 struct SourceLocation {
@@ -176,7 +201,7 @@ class Value {
   }
 
   /// The edges that read this value, in the order they were added.
-  const std::vector<Use>& uses() const noexcept { return uses_; }
+  const UseList& uses() const noexcept { return uses_; }
   bool has_uses() const noexcept { return !uses_.empty(); }
   /// Redirects every use (graph outputs included) to `other`. Throws IrError when
   /// `other` belongs to another graph.
@@ -201,7 +226,7 @@ class Value {
   size_t id_;
   Type type_;
   std::string name_;
-  std::vector<Use> uses_;
+  UseList uses_;
 };
 
 /// A node: a kind (`NodeKind`), a stage, ordered inputs and owned outputs.
@@ -244,7 +269,7 @@ class Node {
   }
 
   // ---- inputs
-  const std::vector<Value*>& inputs() const noexcept { return inputs_; }
+  const ValueList& inputs() const noexcept { return inputs_; }
   /// Input `i`; throws IrError when out of range.
   Value* input(size_t i) const {
     STAGEJIT_CHECK_AS(IrError, i < inputs_.size(), "node #", id_, " (", describe(), ") has ",
@@ -293,7 +318,7 @@ class Node {
   }
 
   // ---- outputs
-  const std::vector<Value*>& outputs() const noexcept { return outputs_; }
+  const ValueList& outputs() const noexcept { return outputs_; }
   /// Output `i`; throws IrError when out of range.
   Value* output(size_t i) const {
     STAGEJIT_CHECK_AS(IrError, i < outputs_.size(), "node #", id_, " (", describe(), ") has ",
@@ -384,8 +409,8 @@ class Node {
   NodeKind kind_;
   size_t id_;
   size_t stage_;
-  std::vector<Value*> inputs_;
-  std::vector<Value*> outputs_;  // owned: destroyed by ~Node and erase_output
+  ValueList inputs_;
+  ValueList outputs_;  // owned: destroyed by ~Node and erase_output
   Node* prev_ = nullptr;
   Node* next_ = nullptr;
   size_t owner_slot_ = 0;  // index in the graph's `owned_`
@@ -456,7 +481,7 @@ class Graph {
     return pos;
   }
   /// All graph outputs, grouped by stage (stage 0 first).
-  const std::vector<Value*>& outputs() const noexcept { return return_node_->inputs(); }
+  const ValueList& outputs() const noexcept { return return_node_->inputs(); }
   /// How many outputs each stage has; one entry per stage (Note [Stages]).
   const std::vector<size_t>& stage_output_counts() const noexcept { return stage_output_counts_; }
   /// The outputs of one stage.
@@ -506,7 +531,7 @@ class Graph {
   /// Makes an unlisted node of `kind` at `current_stage()` with `inputs` and one output
   /// per entry of `output_types`. Param and Return cannot be created (IrError): use
   /// `add_input` / `register_output`.
-  Node* create(NodeKind kind, const std::vector<Value*>& inputs = {},
+  Node* create(NodeKind kind, c10::ArrayRef<Value*> inputs = {},
                const std::vector<Type>& output_types = {UnknownType{}}) {
     STAGEJIT_CHECK_AS(IrError,
                       !std::holds_alternative<Param>(kind) && !std::holds_alternative<Return>(kind),
@@ -524,7 +549,7 @@ class Graph {
   /// Inserts `n` at the front of the node list.
   Node* prepend(Node* n) { return n->insert_after(return_node_); }
   /// `create` then `append`.
-  Node* create_and_append(NodeKind kind, const std::vector<Value*>& inputs = {},
+  Node* create_and_append(NodeKind kind, c10::ArrayRef<Value*> inputs = {},
                           const std::vector<Type>& output_types = {UnknownType{}}) {
     return append(create(std::move(kind), inputs, output_types));
   }
@@ -605,7 +630,7 @@ class Graph {
   /// Copies the nodes of `sub` before `insert_point` (a listed node of this graph or the
   /// Return node), feeding `sub`'s inputs from `inputs`; the copies get `stage`.
   /// Returns the values that correspond to `sub`'s outputs. (Inlining a FusionGroup.)
-  std::vector<Value*> inline_graph(const Graph& sub, const std::vector<Value*>& inputs,
+  std::vector<Value*> inline_graph(const Graph& sub, c10::ArrayRef<Value*> inputs,
                                    Node* insert_point, size_t stage) {
     STAGEJIT_CHECK_AS(IrError, inputs.size() == sub.inputs_.size(), "inline_graph: subgraph has ",
                       sub.inputs_.size(), " inputs, given ", inputs.size());

@@ -17,6 +17,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
 
 #include <cstdint>
 #include <optional>
@@ -29,19 +31,25 @@
 
 namespace stagejit::ir {
 
+/// Sizes or strides of a tensor type, in elements: inline up to four dimensions (no
+/// heap block per value; Note [Inline edge lists] in graph.hpp). Converts to
+/// `at::IntArrayRef`; `.vec()` of that gives a `std::vector<int64_t>`.
+using DimList = c10::SmallVector<int64_t, 4>;
+
 /// A dense tensor value: element type, sizes, strides (in elements) and device.
 struct TensorType {
   at::ScalarType dtype = at::kFloat;
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> strides;
+  DimList sizes;
+  DimList strides;
   at::Device device = at::kCPU;
 
   /// The type of a real tensor (sizes and strides as they are).
   static TensorType of(const at::Tensor& t) {
-    return TensorType{t.scalar_type(), t.sizes().vec(), t.strides().vec(), t.device()};
+    return TensorType{t.scalar_type(), DimList(t.sizes().begin(), t.sizes().end()),
+                      DimList(t.strides().begin(), t.strides().end()), t.device()};
   }
   /// A contiguous tensor type of the given sizes.
-  static TensorType contiguous(at::ScalarType dtype, std::vector<int64_t> sizes,
+  static TensorType contiguous(at::ScalarType dtype, at::IntArrayRef sizes,
                                at::Device device = at::kCPU);
   /// True when every stride equals its contiguous value.
   bool is_contiguous() const;
@@ -66,8 +74,8 @@ struct UnknownType {
 using Type = std::variant<UnknownType, TensorType, HandleType>;
 
 /// Contiguous strides (row-major, in elements) for `sizes`.
-inline std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
-  std::vector<int64_t> strides(sizes.size());
+inline DimList contiguous_strides(at::IntArrayRef sizes) {
+  DimList strides(sizes.size());
   int64_t expected = 1;
   for (size_t d = sizes.size(); d-- > 0;) {
     strides[d] = expected;
@@ -76,16 +84,15 @@ inline std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes
   return strides;
 }
 
-inline TensorType TensorType::contiguous(at::ScalarType dtype, std::vector<int64_t> sizes,
+inline TensorType TensorType::contiguous(at::ScalarType dtype, at::IntArrayRef sizes,
                                          at::Device device) {
-  auto strides = contiguous_strides(sizes);
-  return TensorType{dtype, std::move(sizes), std::move(strides), device};
+  return TensorType{dtype, DimList(sizes.begin(), sizes.end()), ir::contiguous_strides(sizes),
+                    device};
 }
 
 /// For each dimension, whether its stride differs from the contiguous expectation
 /// (the `!` marks of the text form). `strides` must have the length of `sizes`.
-inline std::vector<bool> noncontiguous_marks(const std::vector<int64_t>& sizes,
-                                             const std::vector<int64_t>& strides) {
+inline std::vector<bool> noncontiguous_marks(at::IntArrayRef sizes, at::IntArrayRef strides) {
   STAGEJIT_CHECK_AS(IrError, sizes.size() == strides.size(), "tensor type has ", sizes.size(),
                     " sizes but ", strides.size(), " strides");
   std::vector<bool> marks(sizes.size(), false);
@@ -103,9 +110,8 @@ inline bool TensorType::is_contiguous() const {
 }
 
 /// Rebuilds strides from `!` marks (Note [Stride reconstruction]).
-inline std::vector<int64_t> parse_strides(const std::vector<int64_t>& sizes,
-                                          const std::vector<bool>& marks) {
-  std::vector<int64_t> strides(sizes.size());
+inline DimList parse_strides(at::IntArrayRef sizes, const std::vector<bool>& marks) {
+  DimList strides(sizes.size());
   for (size_t d = sizes.size(); d-- > 0;) {
     int64_t expected = d + 1 == sizes.size() ? 1 : sizes[d + 1] * strides[d + 1];
     strides[d] = marks[d] ? (expected == 0 ? 1 : 2 * expected) : expected;

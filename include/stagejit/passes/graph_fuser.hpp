@@ -33,8 +33,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
-#include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 namespace stagejit::passes {
@@ -112,7 +110,7 @@ inline bool distribute_chunk(ir::Graph& graph, ir::Node* chunk) {
     ir::Node* c = graph.create(std::move(split), {x}, types);
     c->insert_before(chunk);
     c->set_location(chunk->location());
-    pieces[i] = c->outputs();
+    pieces[i].assign(c->outputs().begin(), c->outputs().end());
   }
   for (size_t k = 0; k < k_count; ++k) {
     std::vector<ir::Value*> args;
@@ -140,32 +138,57 @@ inline bool compatible_sizes(const ir::Value* a, const ir::Value* b) {
   return !ta || !tb || ta->sizes == tb->sizes;
 }
 
+/// Scratch state of `make_group`, allocated once per `fuse` and reused by every group:
+/// dense arrays indexed by value id instead of a hash map and set per group (those cost
+/// an allocation per member and dominated the pass on large graphs).
+struct GroupScratch {
+  std::vector<ir::Value*> inner;  // outer value id -> its subgraph value (this group)
+  std::vector<ir::Value*> mapped;  // outer values set in `inner`, to clear after the group
+  ir::ValueList args;
+};
+
 /// Replaces the listed `members` (in node order; the last is the anchor) by one
-/// FusionGroup node placed before the anchor. Returns the group node.
-inline ir::Node* make_group(ir::Graph& graph, const std::vector<ir::Node*>& members) {
-  std::unordered_set<const ir::Node*> in_group(members.begin(), members.end());
+/// FusionGroup node placed before the anchor. `is_member(node)` tells whether a node is
+/// one of `members`. Returns the group node.
+template <class IsMember>
+ir::Node* make_group(ir::Graph& graph, const std::vector<ir::Node*>& members,
+                     const IsMember& is_member, GroupScratch& scratch) {
   ir::Node* anchor = members.back();
   auto sub = std::make_shared<ir::Graph>();
-  std::unordered_map<ir::Value*, ir::Value*> inner;  // outer value -> subgraph value
+  auto& inner = scratch.inner;
+  auto map = [&](ir::Value* outer, ir::Value* in_sub) {
+    if (outer->id() >= inner.size()) inner.resize(outer->id() + 1, nullptr);
+    inner[outer->id()] = in_sub;
+    scratch.mapped.push_back(outer);
+  };
+  auto lookup = [&](ir::Value* outer) -> ir::Value* {
+    return outer->id() < inner.size() ? inner[outer->id()] : nullptr;
+  };
   std::vector<ir::Value*> group_inputs;
   std::vector<ir::Value*> escaping;  // member outputs used outside
   for (ir::Node* m : members) {
+    scratch.args.clear();
     for (ir::Value* v : m->inputs()) {
-      if (inner.count(v)) continue;
-      inner[v] = sub->add_input(v->type(), 0);
-      group_inputs.push_back(v);
+      ir::Value* in_sub = lookup(v);
+      if (!in_sub) {
+        in_sub = sub->add_input(v->type(), 0);
+        map(v, in_sub);
+        group_inputs.push_back(v);
+      }
+      scratch.args.push_back(in_sub);
     }
-    std::vector<ir::Value*> args;
-    for (ir::Value* v : m->inputs()) args.push_back(inner.at(v));
-    ir::Node* c = sub->append(sub->create(m->kind(), args, {m->output()->type()}));
+    ir::Node* c = sub->append(sub->create(m->kind(), scratch.args, {m->output()->type()}));
     c->set_location(m->location());
-    inner[m->output()] = c->output();
+    map(m->output(), c->output());
     bool outside = false;
-    for (const ir::Use& u : m->output()->uses()) outside = outside || !in_group.count(u.user);
+    for (const ir::Use& u : m->output()->uses()) outside = outside || !is_member(u.user);
     if (outside) escaping.push_back(m->output());
   }
-  for (ir::Value* v : escaping) sub->register_output(inner.at(v), 0);
+  for (ir::Value* v : escaping) sub->register_output(lookup(v), 0);
+  for (ir::Value* v : scratch.mapped) inner[v->id()] = nullptr;
+  scratch.mapped.clear();
   std::vector<ir::Type> types;
+  types.reserve(escaping.size());
   for (ir::Value* v : escaping) types.push_back(v->type());
   const size_t saved_stage = graph.current_stage();
   graph.set_current_stage(anchor->stage());
@@ -267,7 +290,15 @@ inline size_t fuse(ir::Graph& graph) {
               [&](const ir::Node* a, const ir::Node* b) { return position(a) < position(b); });
     groups.push_back(std::move(members));
   }
-  for (const auto& members : groups) detail::make_group(graph, members);
+  // A node is a member of the group being made when it was placed at that group's
+  // anchor (anchors have distinct positions).
+  detail::GroupScratch scratch;
+  for (const auto& members : groups) {
+    const size_t at = placed_at[members.back()->id()];
+    detail::make_group(
+        graph, members,
+        [&](const ir::Node* n) { return taken(n) && placed_at[n->id()] == at; }, scratch);
+  }
   return groups.size();
 }
 
