@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <unordered_map>
 #include <vector>
 
 namespace stagejit::closure {
@@ -88,15 +87,22 @@ class CrossStagePlan {
   ir::Value* slot_value(std::size_t slot) const { return slot_values_.at(slot); }
   /// The slot of a cross-stage value, or -1.
   std::ptrdiff_t slot_of(const ir::Value* v) const {
-    auto it = slots_.find(v);
-    return it == slots_.end() ? -1 : static_cast<std::ptrdiff_t>(it->second);
+    if (v->id() >= slot_by_id_.size()) return -1;
+    const std::size_t slot = slot_by_id_[v->id()];
+    return slot != no_slot && slot_values_[slot] == v ? static_cast<std::ptrdiff_t>(slot) : -1;
   }
 
  private:
+  static constexpr std::size_t no_slot = static_cast<std::size_t>(-1);
   std::size_t slot_for(ir::Value* v) {
-    auto [it, inserted] = slots_.emplace(v, slot_values_.size());
-    if (inserted) slot_values_.push_back(v);
-    return it->second;
+    if (v->id() >= slot_by_id_.size())
+      slot_by_id_.resize(std::max(v->id() + 1, 2 * slot_by_id_.size()), no_slot);
+    std::size_t& slot = slot_by_id_[v->id()];
+    if (slot == no_slot) {
+      slot_values_.push_back(v);
+      slot = slot_values_.size() - 1;
+    }
+    return slot;
   }
 
   std::size_t num_stages_;
@@ -106,7 +112,7 @@ class CrossStagePlan {
   std::vector<std::vector<std::size_t>> uses_from_earlier_;
   std::vector<std::vector<std::size_t>> captures_;
   std::vector<std::vector<std::size_t>> needed_after_;
-  std::unordered_map<const ir::Value*, std::size_t> slots_;
+  std::vector<std::size_t> slot_by_id_;  // value id -> slot (a dense map: ids are dense)
   std::vector<ir::Value*> slot_values_;
 };
 

@@ -28,6 +28,7 @@
 #include <stagejit/trace/host_op_payload.hpp>
 #include <stagejit/trace/op_attributes.hpp>
 
+#include <algorithm>
 #include <memory>
 #include <unordered_map>
 #include <vector>
@@ -66,7 +67,7 @@ struct StageClosure {
       std::vector<Edge> edges;
       for (const ir::Use& u : v->uses()) {
         if (u.user->stage() != s || u.user == u.user->owning_graph()->return_node()) continue;
-        edges.push_back(Edge{fn_of_.at(u.user), static_cast<uint32_t>(u.offset)});
+        edges.push_back(Edge{function_of(u.user), static_cast<uint32_t>(u.offset)});
       }
       if (auto it = output_positions.find(v); it != output_positions.end())
         for (uint32_t j : it->second) edges.push_back(Edge{output, j});
@@ -89,12 +90,12 @@ struct StageClosure {
       ir::Node* n = *it;
       auto fn = keep(function_for(n, factory));
       fill_next(*fn, n);
-      fn_of_[n] = fn;
+      set_function_of(n, fn);
     }
     // Stage inputs and values of earlier stages are the roots.
     for (ir::Value* in : plan.stage_inputs(s)) {
       auto fn = keep(make_function(InputPlaceholder{}, {edge_to(targets_of(in))}, 1));
-      fn_of_[in->node()] = fn;
+      set_function_of(in->node(), fn);
       roots.push_back(Edge{fn, 0});
     }
     for (std::size_t slot : plan.uses_from_earlier(s)) {
@@ -113,11 +114,11 @@ struct StageClosure {
       ir::Value* v = plan.slot_value(slot);
       if (v->is_handle()) continue;  // captured by HostCall / EvalPlaceholder callbacks
       ir::Node* producer = v->node();
-      auto found = fn_of_.find(producer);
-      if (found == fn_of_.end()) continue;  // e.g. produced by nothing that runs
+      Function* found = producer->id() < fn_of_.size() ? fn_of_[producer->id()].get() : nullptr;
+      if (!found) continue;  // e.g. produced by nothing that runs
       if (producer->is<ir::Undefined>()) continue;  // never runs: the slot stays undefined
       std::size_t index = v->offset();
-      callbacks.post.emplace(found->second.get(),
+      callbacks.post.emplace(found,
                              GenericCallback{[slot, index](Function&, variable_list&,
                                                            variable_list* outputs, CallState* st) {
                                std::lock_guard<std::mutex> lock(st->mutex);
@@ -126,7 +127,7 @@ struct StageClosure {
                                return true;
                              }});
     }
-    fn_of_.clear();
+    fn_of_ = {};
   }
 
  private:
@@ -308,7 +309,18 @@ struct StageClosure {
   }
 
  private:
-  std::unordered_map<const ir::Node*, std::shared_ptr<Function>> fn_of_;
+  // The Function of each node of the stage being built, by node id (ids are dense).
+  std::vector<std::shared_ptr<Function>> fn_of_;
+  void set_function_of(const ir::Node* n, std::shared_ptr<Function> fn) {
+    if (n->id() >= fn_of_.size()) fn_of_.resize(std::max(n->id() + 1, 2 * fn_of_.size()));
+    fn_of_[n->id()] = std::move(fn);
+  }
+  const std::shared_ptr<Function>& function_of(const ir::Node* n) const {
+    STAGEJIT_CHECK_AS(CompileError, n->id() < fn_of_.size() && fn_of_[n->id()],
+                      "closure compiler: node #", n->id(), " (", n->describe(),
+                      ") is used at its stage before a Function was made for it");
+    return fn_of_[n->id()];
+  }
   std::vector<std::pair<Function*, ir::Value*>> handle_captures_;
   std::vector<std::pair<Function*, ir::Node*>> eval_nodes_;
 };

@@ -79,7 +79,9 @@ inline bool cse_equal(const ir::Node* a, const ir::Node* b) {
 inline size_t eliminate_common_subexpressions(ir::Graph& graph) {
   size_t removed = 0;
   std::unordered_multimap<size_t, ir::Node*> seen;
-  for (ir::Node* n : graph.nodes()) {
+  const auto nodes = graph.nodes();
+  seen.reserve(nodes.size());  // no rehashing while the table grows
+  for (ir::Node* n : nodes) {
     if (auto fg = n->get_if<ir::FusionGroup>(); fg && fg->subgraph)
       removed += eliminate_common_subexpressions(*fg->subgraph);
     if (!detail::cse_candidate(n)) continue;
