@@ -61,6 +61,7 @@ std::ostream& operator<<(std::ostream& os, const Use& u);
 /// or one use), so a pass walking the graph touches the node and value cells of the
 /// graph's pools and nothing else. The accessors return these lists by const reference;
 /// copy one (`auto ins = n->inputs();`) to keep a snapshot while mutating the node.
+
 /// A node's inputs or outputs (`Node::inputs()`, `Node::outputs()`, `Graph::outputs()`).
 using ValueList = c10::SmallVector<Value*, 2>;
 /// A value's uses (`Value::uses()`).
@@ -114,7 +115,8 @@ inline void delete_pool_block(void* block) noexcept {
 /// trimmed back to the system, so the next graph takes every page again as a fresh page
 /// fault (8-15 us per 4 KiB page on the VM of bench/closure.md: most of the fuser's time
 /// in steady state). Full-size blocks of a dying graph are therefore kept here, up to
-/// `block_cache_limit` bytes in all, and handed to the next graph's pools.
+/// `set_pool_cache_limit` bytes in all (64 MiB by default), and handed to the next
+/// graph's pools.
 /// `release_cached_pool_blocks()` frees them (like a caching allocator's `empty_cache`).
 class BlockCache {
  public:
@@ -235,6 +237,7 @@ class CellPool {
       throw;
     }
   }
+
  private:
   struct alignas(Align) Cell {
     std::byte bytes[Size];

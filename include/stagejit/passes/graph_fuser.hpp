@@ -157,7 +157,7 @@ ir::Node* make_group(ir::Graph& graph, const std::vector<ir::Node*>& members,
   auto sub = std::make_shared<ir::Graph>();
   auto& inner = scratch.inner;
   auto map = [&](ir::Value* outer, ir::Value* in_sub) {
-    if (outer->id() >= inner.size()) inner.resize(outer->id() + 1, nullptr);
+    if (outer->id() >= inner.size()) inner.resize(std::max(outer->id() + 1, 2 * inner.size()), nullptr);
     inner[outer->id()] = in_sub;
     scratch.mapped.push_back(outer);
   };
