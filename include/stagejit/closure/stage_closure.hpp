@@ -127,7 +127,7 @@ struct StageClosure {
                                return true;
                              }});
     }
-    fn_of_ = {};
+    std::vector<std::shared_ptr<Function>>().swap(fn_of_);  // only needed while building
   }
 
  private:

@@ -174,6 +174,15 @@ class BlockCache {
     std::lock_guard<std::mutex> lock(mutex_);
     return limit_;
   }
+  /// Frees every cached block (the limit stays).
+  void clear() noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [size, blocks] : by_size_) {
+      for (void* block : blocks) delete_pool_block(block);
+      held_ -= size * blocks.size();
+      blocks.clear();
+    }
+  }
 
  private:
   BlockCache() = default;
@@ -211,7 +220,8 @@ class CellPool {
     }
     if (used_ == block_size_) {
       const size_t next = blocks_.empty() ? 4 : std::min(2 * block_size_, MaxPerBlock);
-      blocks_.reserve(blocks_.size() + 1);  // so that nothing throws once we hold a block
+      // Room first (growing geometrically), so that nothing throws once we hold a block.
+      if (blocks_.size() == blocks_.capacity()) blocks_.reserve(2 * blocks_.size() + 1);
       void* data = next == MaxPerBlock ? BlockCache::instance().take(block_bytes(next)) : nullptr;
       if (!data) data = new_pool_block(block_bytes(next));
       blocks_.push_back(Block{static_cast<Cell*>(data), next});
@@ -266,12 +276,7 @@ struct ValueDeleter {
 /// Bytes of freed graph storage kept for the next graphs (Note [Pool block cache]).
 inline size_t cached_pool_bytes() { return detail::BlockCache::instance().held(); }
 /// Frees every cached pool block (the cache fills again as graphs die).
-inline void release_cached_pool_blocks() {
-  auto& cache = detail::BlockCache::instance();
-  const size_t limit = cache.limit();
-  cache.set_limit(0);
-  cache.set_limit(limit);
-}
+inline void release_cached_pool_blocks() { detail::BlockCache::instance().clear(); }
 /// Sets how many bytes of freed graph storage are kept (default 64 MiB; 0 keeps none)
 /// and frees what is over the new limit.
 inline void set_pool_cache_limit(size_t bytes) { detail::BlockCache::instance().set_limit(bytes); }

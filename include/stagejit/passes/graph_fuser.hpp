@@ -98,6 +98,7 @@ inline bool distribute_chunk(ir::Graph& graph, ir::Node* chunk) {
     }
     const ir::TensorType* xt = x->tensor_type();
     std::vector<ir::Type> types;
+    types.reserve(k_count);  // ir::Type's move may throw (c10::SmallVector): no regrowth copies
     for (size_t k = 0; k < k_count; ++k) {
       ir::TensorType t = *xt;
       t.sizes[operand_dim[i]] = chunk_types[k]->sizes[dim];

@@ -76,7 +76,8 @@ class TracingState final : public TraceHook {
                       const HostCallable& call) override {
     std::lock_guard<std::mutex> lock(mutex_);
     std::vector<ir::Value*> in = values_for(inputs);
-    // Sized up front: no reallocation (whose variant moves trip a GCC 12 false positive).
+    // Sized up front: no regrowth (ir::Type copies on regrowth, its move not being noexcept,
+    // and that path trips a GCC 12 maybe-uninitialized false positive).
     std::vector<ir::Type> types(outputs.size() + (backward ? 1 : 0));
     for (std::size_t i = 0; i < outputs.size(); ++i) types[i] = type_of(outputs[i]);
     if (backward) types.back() = ir::HandleType{};
