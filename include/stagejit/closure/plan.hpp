@@ -25,7 +25,9 @@ class CrossStagePlan {
  public:
   /// Builds the plan. Throws `CompileError` naming the node when a node uses a value of a
   /// later stage.
-  explicit CrossStagePlan(const ir::Graph& graph) : num_stages_(graph.num_stages()) {
+  explicit CrossStagePlan(const ir::Graph& graph)
+      : num_stages_(graph.num_stages()), id_bound_(graph.id_bound()),
+        slot_by_id_(graph.id_bound(), no_slot) {
     const std::size_t S = num_stages_;
     stage_nodes_.resize(S);
     stage_inputs_.resize(S);
@@ -85,6 +87,8 @@ class CrossStagePlan {
   std::size_t num_slots() const noexcept { return slot_values_.size(); }
   /// The value of a slot.
   ir::Value* slot_value(std::size_t slot) const { return slot_values_.at(slot); }
+  /// One past the largest node or value id of the graph (`ir::Graph::id_bound`).
+  std::size_t id_bound() const noexcept { return id_bound_; }
   /// The slot of a cross-stage value, or -1.
   std::ptrdiff_t slot_of(const ir::Value* v) const {
     if (v->id() >= slot_by_id_.size()) return -1;
@@ -93,10 +97,7 @@ class CrossStagePlan {
   }
 
  private:
-  static constexpr std::size_t no_slot = static_cast<std::size_t>(-1);
   std::size_t slot_for(ir::Value* v) {
-    if (v->id() >= slot_by_id_.size())
-      slot_by_id_.resize(std::max(v->id() + 1, 2 * slot_by_id_.size()), no_slot);
     std::size_t& slot = slot_by_id_[v->id()];
     if (slot == no_slot) {
       slot_values_.push_back(v);
@@ -105,14 +106,16 @@ class CrossStagePlan {
     return slot;
   }
 
+  static constexpr std::size_t no_slot = static_cast<std::size_t>(-1);
   std::size_t num_stages_;
+  std::size_t id_bound_;
   std::vector<std::vector<ir::Node*>> stage_nodes_;
   std::vector<std::vector<ir::Value*>> stage_inputs_;
   std::vector<std::vector<ir::Value*>> stage_outputs_;
   std::vector<std::vector<std::size_t>> uses_from_earlier_;
   std::vector<std::vector<std::size_t>> captures_;
   std::vector<std::vector<std::size_t>> needed_after_;
-  std::vector<std::size_t> slot_by_id_;  // value id -> slot (a dense map: ids are dense)
+  std::vector<std::size_t> slot_by_id_;  // value id -> slot, no_slot for the others
   std::vector<ir::Value*> slot_values_;
 };
 

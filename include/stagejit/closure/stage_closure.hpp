@@ -52,7 +52,7 @@ struct StageClosure {
   /// Builds the closure of stage `s`. Throws `CompileError` naming the node for a node
   /// kind the closure compiler cannot run (a FusionGroup without a kernel, a HostOp
   /// without the tracer's payload).
-  StageClosure(const CrossStagePlan& plan, std::size_t s) {
+  StageClosure(const CrossStagePlan& plan, std::size_t s) : fn_of_(plan.id_bound()) {
     num_outputs = plan.stage_outputs(s).size();
     auto output = keep(make_function(Output{}, {}, static_cast<uint32_t>(num_outputs)));
     auto factory = keep(make_function(ConstantFactory{}, {}, 1));
@@ -90,12 +90,12 @@ struct StageClosure {
       ir::Node* n = *it;
       auto fn = keep(function_for(n, factory));
       fill_next(*fn, n);
-      set_function_of(n, fn);
+      fn_of_[n->id()] = fn;
     }
     // Stage inputs and values of earlier stages are the roots.
     for (ir::Value* in : plan.stage_inputs(s)) {
       auto fn = keep(make_function(InputPlaceholder{}, {edge_to(targets_of(in))}, 1));
-      set_function_of(in->node(), fn);
+      fn_of_[in->node()->id()] = fn;
       roots.push_back(Edge{fn, 0});
     }
     for (std::size_t slot : plan.uses_from_earlier(s)) {
@@ -114,7 +114,7 @@ struct StageClosure {
       ir::Value* v = plan.slot_value(slot);
       if (v->is_handle()) continue;  // captured by HostCall / EvalPlaceholder callbacks
       ir::Node* producer = v->node();
-      Function* found = producer->id() < fn_of_.size() ? fn_of_[producer->id()].get() : nullptr;
+      Function* found = fn_of_[producer->id()].get();
       if (!found) continue;  // e.g. produced by nothing that runs
       if (producer->is<ir::Undefined>()) continue;  // never runs: the slot stays undefined
       std::size_t index = v->offset();
@@ -309,12 +309,9 @@ struct StageClosure {
   }
 
  private:
-  // The Function of each node of the stage being built, by node id (ids are dense).
+  // The Function of each node of the stage being built, by node id (every id of the
+  // plan's graph is below `plan.id_bound()`).
   std::vector<std::shared_ptr<Function>> fn_of_;
-  void set_function_of(const ir::Node* n, std::shared_ptr<Function> fn) {
-    if (n->id() >= fn_of_.size()) fn_of_.resize(std::max(n->id() + 1, 2 * fn_of_.size()));
-    fn_of_[n->id()] = std::move(fn);
-  }
   const std::shared_ptr<Function>& function_of(const ir::Node* n) const {
     STAGEJIT_CHECK_AS(CompileError, n->id() < fn_of_.size() && fn_of_[n->id()],
                       "closure compiler: node #", n->id(), " (", n->describe(),

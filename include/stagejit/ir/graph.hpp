@@ -696,6 +696,9 @@ class Graph {
     for (auto& n : owned_) out.push_back(n.get());
     return out;
   }
+  /// One past the largest node or value id made so far: ids are dense and never reused,
+  /// so a vector of this size maps every id of the graph (passes use such dense maps).
+  size_t id_bound() const noexcept { return next_id_; }
   /// True when `n` (a live node of any graph) is owned by this graph.
   bool owns(const Node* n) const {
     return n && n->graph_ == this && n->owner_slot_ < owned_.size() &&

@@ -129,7 +129,7 @@ class Parser {
     auto dtype = dtype_from_name(t.text);
     if (!dtype) fail(t, "unknown type '" + t.text + "'; expected a dtype such as Float, Handle or UNKNOWN_TYPE");
     auto [sizes, marks, device] = parse_dims();
-    return TensorType{*dtype, DimList(sizes.begin(), sizes.end()), ir::parse_strides(sizes, marks), device};
+    return TensorType{*dtype, DimList(sizes), ir::parse_strides(sizes, marks), device};
   }
 
   // `(3, 4!, device=cuda:0)`

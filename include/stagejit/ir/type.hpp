@@ -45,8 +45,7 @@ struct TensorType {
 
   /// The type of a real tensor (sizes and strides as they are).
   static TensorType of(const at::Tensor& t) {
-    return TensorType{t.scalar_type(), DimList(t.sizes().begin(), t.sizes().end()),
-                      DimList(t.strides().begin(), t.strides().end()), t.device()};
+    return TensorType{t.scalar_type(), DimList(t.sizes()), DimList(t.strides()), t.device()};
   }
   /// A contiguous tensor type of the given sizes.
   static TensorType contiguous(at::ScalarType dtype, at::IntArrayRef sizes,
@@ -86,8 +85,7 @@ inline DimList contiguous_strides(at::IntArrayRef sizes) {
 
 inline TensorType TensorType::contiguous(at::ScalarType dtype, at::IntArrayRef sizes,
                                          at::Device device) {
-  return TensorType{dtype, DimList(sizes.begin(), sizes.end()), ir::contiguous_strides(sizes),
-                    device};
+  return TensorType{dtype, DimList(sizes), ir::contiguous_strides(sizes), device};
 }
 
 /// For each dimension, whether its stride differs from the contiguous expectation

@@ -156,15 +156,15 @@ ir::Node* make_group(ir::Graph& graph, const std::vector<ir::Node*>& members,
                      const IsMember& is_member, GroupScratch& scratch) {
   ir::Node* anchor = members.back();
   auto sub = std::make_shared<ir::Graph>();
+  // Covers every value that exists now (earlier groups added values to the graph); the
+  // values this group makes are never looked up.
   auto& inner = scratch.inner;
+  inner.resize(graph.id_bound(), nullptr);
   auto map = [&](ir::Value* outer, ir::Value* in_sub) {
-    if (outer->id() >= inner.size()) inner.resize(std::max(outer->id() + 1, 2 * inner.size()), nullptr);
     inner[outer->id()] = in_sub;
     scratch.mapped.push_back(outer);
   };
-  auto lookup = [&](ir::Value* outer) -> ir::Value* {
-    return outer->id() < inner.size() ? inner[outer->id()] : nullptr;
-  };
+  auto lookup = [&](ir::Value* outer) { return inner[outer->id()]; };
   std::vector<ir::Value*> group_inputs;
   std::vector<ir::Value*> escaping;  // member outputs used outside
   for (ir::Node* m : members) {
