@@ -22,6 +22,7 @@
 #include <stagejit/ops/ops.hpp>
 
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -172,8 +173,43 @@ void gather(GraphTask& task, uint32_t idx) {
   }
 }
 
+// Which outputs of the Function being applied on this thread its task needs
+// (engine::should_compute_output); null outside an engine call.
+using NeededOutputs = c10::SmallVector<char, 16>;
+thread_local const NeededOutputs* tl_needed_outputs = nullptr;
+
+struct NeededOutputsGuard {
+  explicit NeededOutputsGuard(const NeededOutputs* needed) : saved(tl_needed_outputs) {
+    tl_needed_outputs = needed;
+  }
+  ~NeededOutputsGuard() { tl_needed_outputs = saved; }
+  const NeededOutputs* saved;
+};
+
+// Which of `fn`'s outputs lead somewhere the task needs: with no capture list every
+// function of the task runs, so a valid edge is needed. The node records' flags are
+// fixed once the task is built, so this reads them without the task's lock.
+void needed_outputs(const GraphTask& task, const Function& fn, NeededOutputs& needed) {
+  needed.assign(fn.next_functions.size(), 0);
+  for (std::size_t i = 0; i < needed.size(); ++i) {
+    const Edge& e = fn.next_functions[i];
+    if (!e.is_valid()) continue;
+    if (task.capture_of.empty()) {
+      needed[i] = 1;
+      continue;
+    }
+    auto it = task.index.find(e.function.get());
+    if (it == task.index.end()) continue;
+    const Node& t = task.nodes[it->second];
+    needed[i] = t.needed || t.captured;
+  }
+}
+
 variable_list call_function(GraphTask& task, Function& fn, variable_list inputs) {
   const std::size_t n = fn.next_functions.size();
+  NeededOutputs needed;
+  needed_outputs(task, fn, needed);
+  NeededOutputsGuard needed_guard(&needed);
   fusion::HostCacheScope host_cache(task.cache_host_memory);
   const ExecuteCallbacks* cbs = task.callbacks;
   if (cbs && !cbs->pre.empty()) {
@@ -439,6 +475,10 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
 }
 
 namespace engine {
+bool should_compute_output(std::size_t i) noexcept {
+  const NeededOutputs* needed = tl_needed_outputs;
+  return !needed || (i < needed->size() && (*needed)[i]);
+}
 int num_threads() noexcept { return Pool::get().num_threads(); }
 void set_num_threads(int n) { Pool::get().set_num_threads(n); }
 }  // namespace engine

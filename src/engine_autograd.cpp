@@ -200,7 +200,8 @@ variable_list apply_op_backward(Function& self, OpBackward& ob, variable_list& g
   for (std::size_t i = 0; i < outputs.size(); ++i) outputs[i] = ob.saved_outputs[i].unpack(me);
   uint64_t mask = 0;
   for (std::size_t i = 0; i < n && i < 64; ++i)
-    if (self.next_functions[i].is_valid()) mask |= (uint64_t{1} << i);
+    if (self.next_functions[i].is_valid() && engine::should_compute_output(i))
+      mask |= (uint64_t{1} << i);
   BackwardArgs args{ob.attrs, inputs, outputs, grads, ob.input_meta, mask};
   variable_list res = ob.op->backward(args);
   res.resize(n);

@@ -9,6 +9,7 @@
 #include <stagejit/core/error.hpp>
 #include <stagejit/ops/op_def.hpp>
 #include <stagejit/ops/ops.hpp>
+#include <stagejit/ops/small_gemm.hpp>
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -118,6 +119,12 @@ bool column_major(const Variable& m) {
   const at::Tensor& d = m.data();
   return d.dim() == 2 && d.stride(0) == 1 && d.stride(1) == d.size(0);
 }
+// `a @ b` for the mm op: thin shapes through LIBXSMM (ops/small_gemm.hpp), else ATen.
+at::Tensor matrix_product(const at::Tensor& a, const at::Tensor& b) {
+  if (auto p = ops::small_mm(a, b)) return *p;
+  return at::mm(a, b);
+}
+
 Variable mm_mat1_grad(const Variable& g, const Variable& m1, const Variable& m2) {
   return column_major(m1) ? t(mm(m2, t(g))) : mm(g, t(m2));
 }
@@ -383,7 +390,7 @@ std::vector<OpDef> build_table() {
 
   // ---- linear algebra
   def({"mm", 2, 2, false, true, 0b11, false, "", "",
-       [](const Tensors& in, const Attributes&) { return one(at::mm(in[0], in[1])); },
+       [](const Tensors& in, const Attributes&) { return one(matrix_product(in[0], in[1])); },
        [](const BackwardArgs& a) -> variable_list {
          return {a.needs(0) ? mm_mat1_grad(G(a), In(a, 0), In(a, 1)) : Variable(),
                  a.needs(1) ? mm_mat2_grad(G(a), In(a, 0), In(a, 1)) : Variable()};
@@ -424,6 +431,14 @@ std::vector<OpDef> build_table() {
   def({"addmm", 3, 3, false, true, 0b110, false, "beta (default 1), alpha (default 1); inputs: self, mat1, mat2",
        "",
        [](const Tensors& in, const Attributes& a) {
+         const double beta = attr_double(a, "beta", 1), alpha = attr_double(a, "alpha", 1);
+         if (auto p = ops::small_mm(in[1], in[2]); p && at::is_expandable_to(in[0].sizes(), p->sizes()) &&
+                                                   in[0].scalar_type() == p->scalar_type()) {
+           // beta * self + alpha * product, in place on the fresh product.
+           if (alpha != 1) p->mul_(alpha);
+           if (beta == 0) return one(*p);  // as ATen: self is ignored, NaN and all
+           return one(p->add_(in[0], beta));
+         }
          return one(at::addmm(in[0], in[1], in[2], attr_scalar(a, "beta", 1.0), attr_scalar(a, "alpha", 1.0)));
        },
        [](const BackwardArgs& a) -> variable_list {

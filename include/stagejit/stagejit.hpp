@@ -17,6 +17,7 @@
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/ops/op_def.hpp>
 #include <stagejit/ops/ops.hpp>
+#include <stagejit/ops/small_gemm.hpp>
 #include <stagejit/core/arg_spec.hpp>
 #include <stagejit/trace/trace.hpp>
 #include <stagejit/trace/interpret.hpp>
@@ -26,6 +27,7 @@
 #include <stagejit/passes/dce.hpp>
 #include <stagejit/passes/graph_fuser.hpp>
 #include <stagejit/passes/peephole.hpp>
+#include <stagejit/passes/zeros.hpp>
 #include <stagejit/fusion/kernel_spec.hpp>
 #include <stagejit/fusion/tensor_args.hpp>
 #include <stagejit/fusion/cpu_backend.hpp>

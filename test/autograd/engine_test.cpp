@@ -295,3 +295,45 @@ TEST_SUITE("autograd") {
     CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("saved variables were already freed"), sj::Error);
   }
 }
+
+namespace {
+// z = x * y whose backward records which gradients the running backward needs
+// (engine::should_compute_output, libtorch's needs_input_grad inside a backward).
+struct RecordingMul : sj::HostFunction<RecordingMul> {
+  static inline std::vector<bool> seen;
+  static sj::Variable forward(sj::HostContext* ctx, sj::Variable x, sj::Variable y) {
+    ctx->save_for_backward({x, y});
+    return sj::Variable(x.data() * y.data());
+  }
+  static sj::variable_list backward(sj::HostContext* ctx, sj::variable_list grads) {
+    seen = {sj::engine::should_compute_output(0), sj::engine::should_compute_output(1)};
+    auto s = ctx->get_saved_variables();
+    return {grads[0] * s[1], grads[0] * s[0]};
+  }
+};
+}  // namespace
+
+TEST_SUITE("autograd") {
+
+TEST_CASE("engine::should_compute_output: only the gradients that lead to a requested input") {
+  sj::Variable x(at::randn({3}, at::kDouble), true), y(at::randn({3}, at::kDouble), true);
+  auto z = sj::sum(RecordingMul::apply(x, y));
+  sj::grad({z}, {x});
+  CHECK(RecordingMul::seen == std::vector<bool>{true, false});
+  sj::grad({z}, {y});
+  CHECK(RecordingMul::seen == std::vector<bool>{false, true});
+  sj::grad({z}, {x, y});
+  CHECK(RecordingMul::seen == std::vector<bool>{true, true});
+  sj::backward({z});
+  CHECK(RecordingMul::seen == std::vector<bool>{true, true});
+  // Outside an engine call every output counts as needed.
+  CHECK(sj::engine::should_compute_output(0));
+  CHECK(sj::engine::should_compute_output(7));
+  // An eager op's backward skips the gradient nobody asked for (mm: no weight gradient).
+  sj::Variable w(at::randn({3, 2}, at::kDouble), true);
+  auto out = sj::sum(sj::mm(sj::reshape(x, {1, 3}), w));
+  auto gx = sj::grad({out}, {x})[0];
+  CHECK(at::allclose(gx.data(), w.data().sum(1)));
+}
+
+}  // TEST_SUITE

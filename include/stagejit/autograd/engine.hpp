@@ -44,6 +44,13 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
                       const ExecuteCallbacks& callbacks = {});
 
 namespace engine {
+/// While the engine applies a Function on this thread: true when that Function's output
+/// `i` is needed by the running graph task — its edge is valid and leads to a Function
+/// that runs or to an input whose gradient `grad` captures (libtorch's
+/// `task_should_compute_output`, from its `exec_info`). Backward formulas and compiled
+/// stages skip the gradients that are not (closure/specialize.hpp). Outside an engine
+/// call (a Function applied directly) every output is needed: true.
+bool should_compute_output(std::size_t i) noexcept;
 /// Number of threads that may run one graph task (the caller plus workers).
 /// Initially STAGEJIT_NUM_THREADS, else the core count.
 int num_threads() noexcept;

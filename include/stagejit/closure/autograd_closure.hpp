@@ -15,7 +15,12 @@
 ///   in which the seed appended inherited edges (SPEC 7, item 13).
 /// - After the last compiled stage the grad_fn is an `ErrorFunction` that runs (it has
 ///   the edges) and throws "compiled only for K derivatives" (SPEC 7, item 14).
-/// - Undefined incoming gradients become zeros of the traced shape and dtype.
+/// - A call runs the stage's variant for what it needs (Note [Stage variants] in
+///   closure/specialize.hpp): only the outputs the engine says are needed, nothing for
+///   later stages unless a later stage will run (grad mode), and undefined incoming
+///   gradients as symbolic zeros. Without specialisation (`specialize` off, or a stage
+///   that cannot be specialised) undefined incoming gradients become zeros of the traced
+///   shape and dtype.
 /// - An output that is one of the tensors the call was fed (passes removed the ops
 ///   between) is returned as a view of it, never as the caller's tensor itself.
 /// - Outputs get a grad_fn only in grad mode (stage 0: the caller's; stage k >= 1: the
@@ -25,14 +30,18 @@
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/closure/plan.hpp>
+#include <stagejit/closure/specialize.hpp>
 #include <stagejit/closure/stage_closure.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/trace/trace.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -51,6 +60,9 @@ struct MultiStageClosure {
   /// Run the stages' functions inside a `fusion::HostCacheScope`
   /// (`CompileOptions::cache_host_memory`).
   bool cache_host_memory = false;
+  /// Run each call through the stage variant for what it needs
+  /// (`CompileOptions::specialize`, Note [Stage variants]).
+  bool specialize = false;
 
   /// Builds every stage's closure. `graph` is the optimised graph of `trace` (same
   /// inputs and outputs). Throws `CompileError` (see StageClosure).
@@ -73,10 +85,63 @@ struct MultiStageClosure {
   }
 
   std::size_t num_stages() const noexcept { return stages.size(); }
+
+  /// The closure serving `key`: the full stage for a full key, else the cached variant
+  /// (built on first use). A stage that cannot be specialised (build_stage_variant
+  /// throws) is served by the full stage, and that is remembered per key.
+  const StageClosure& closure_for(const StageVariantKey& key) const {
+    if (key.is_full()) return stages.at(key.stage);
+    auto v = variant(key);
+    return v ? v->closure : stages.at(key.stage);
+  }
+
+  /// The variant for `key`, built on first use; null when the stage cannot be
+  /// specialised for it. Thread-safe (two threads missing on one key may both build it;
+  /// the first stored is kept).
+  std::shared_ptr<const StageVariant> variant(const StageVariantKey& key) const {
+    {
+      std::lock_guard<std::mutex> lock(variants_mutex_);
+      auto it = variants_.find(key);
+      if (it != variants_.end()) return it->second;
+    }
+    std::shared_ptr<const StageVariant> built;
+    try {
+      built = build_stage_variant(*graph, plan, stages.at(key.stage).prev_slots, key);
+    } catch (const Error&) {
+      built = nullptr;  // the full stage serves this key
+    }
+    std::lock_guard<std::mutex> lock(variants_mutex_);
+    auto [it, inserted] = variants_.emplace(key, built);
+    if (inserted) ++variants_built_;
+    return it->second;
+  }
+
+  /// Every stage variant built so far (not the keys served by the full stage), for
+  /// inspection: `ir::to_string(*v->graph)`, `v->key.to_string()`, `v->num_nodes`.
+  std::vector<std::shared_ptr<const StageVariant>> variants() const {
+    std::lock_guard<std::mutex> lock(variants_mutex_);
+    std::vector<std::shared_ptr<const StageVariant>> out;
+    for (const auto& [key, v] : variants_)
+      if (v) out.push_back(v);
+    return out;
+  }
+
+  /// Number of stage variants built so far (keys served by the full stage after a
+  /// failed specialisation count too).
+  std::size_t num_variants() const {
+    std::lock_guard<std::mutex> lock(variants_mutex_);
+    return variants_built_;
+  }
+
   /// True when built from a Trace (outputs of a call get the next stage as grad_fn).
   bool linked() const noexcept { return flags.size() == stages.size(); }
 
  private:
+  mutable std::mutex variants_mutex_;
+  mutable std::unordered_map<StageVariantKey, std::shared_ptr<const StageVariant>, StageVariantKeyHash>
+      variants_;
+  mutable std::size_t variants_built_ = 0;
+
   void build_stages() {
     stages.reserve(plan.num_stages());
     for (std::size_t s = 0; s < plan.num_stages(); ++s) {
@@ -106,16 +171,42 @@ class StageCall final : public ClosureImpl {
   /// `state` with the stage's outputs (`state.outputs`, one per stage output) and what it
   /// captured for later stages. Throws `Error` naming the stage and input for a wrong
   /// count, `ShapeError` for a shape or dtype other than traced.
-  void run(const variable_list& inputs, CallState& state) const {
+  ///
+  /// `needed` (optional, one per stage output) and `captures` select the stage variant
+  /// (Note [Stage variants]) when the closure specialises; by default every output is
+  /// computed and everything later stages read is captured.
+  void run(const variable_list& inputs, CallState& state, const std::vector<char>* needed = nullptr,
+           bool captures = true) const {
     const auto& d = *desc_;
-    const auto& sc = d.stages[stage_];
     const auto& stage_inputs = d.plan.stage_inputs(stage_);
     STAGEJIT_CHECK(inputs.size() == stage_inputs.size(), "compiled stage ", stage_, " expects ",
                    stage_inputs.size(), " inputs, got ", inputs.size());
+    const StageClosure* chosen = &d.stages[stage_];
+    auto prev_defined = [&](std::size_t slot) {
+      return slot < env_values_.size() && env_values_[slot].defined();
+    };
+    if (d.specialize) {
+      StageVariantKey key;
+      key.stage = stage_;
+      const auto& full_prev = d.stages[stage_].prev_slots;
+      key.defined_inputs.resize(inputs.size() + full_prev.size());
+      for (std::size_t i = 0; i < inputs.size(); ++i) key.defined_inputs[i] = inputs[i].defined();
+      for (std::size_t i = 0; i < full_prev.size(); ++i)
+        key.defined_inputs[inputs.size() + i] = prev_defined(full_prev[i]);
+      key.needed_outputs = needed ? *needed : std::vector<char>(d.plan.stage_outputs(stage_).size(), 1);
+      key.captures = captures;
+      chosen = &d.closure_for(key);
+    }
+    const StageClosure& sc = *chosen;
+    const bool zeros_are_symbolic = chosen != &d.stages[stage_];
     variable_list leaves;
     leaves.reserve(sc.roots.size());
     for (std::size_t i = 0; i < inputs.size(); ++i) {
       const auto* type = stage_inputs[i]->tensor_type();
+      if (!inputs[i].defined() && zeros_are_symbolic) {
+        leaves.emplace_back();  // the variant does no work on it (Note [Symbolic zeros])
+        continue;
+      }
       if (!inputs[i].defined()) {
         // Undefined gradient: zeros of the traced shape.
         STAGEJIT_CHECK(type, "compiled stage ", stage_, ": input ", i, " is undefined and its "
@@ -132,8 +223,20 @@ class StageCall final : public ClosureImpl {
       }
       leaves.emplace_back(inputs[i].data());
     }
-    for (std::size_t slot : sc.prev_slots)
-      leaves.push_back(slot < env_values_.size() ? Variable(env_values_[slot].data()) : Variable());
+    for (std::size_t slot : sc.prev_slots) {
+      if (prev_defined(slot)) {
+        leaves.emplace_back(env_values_[slot].data());
+      } else if (zeros_are_symbolic) {
+        leaves.emplace_back();
+      } else {
+        // An earlier call's symbolic zero read by the full stage: zeros of its type.
+        const auto* type = d.plan.slot_value(slot)->tensor_type();
+        leaves.emplace_back(type ? Variable(at::zeros(type->sizes, at::TensorOptions()
+                                                                        .dtype(type->dtype)
+                                                                        .device(type->device)))
+                                 : Variable());
+      }
+    }
     leaves.emplace_back();  // the ConstantFactory's single undefined input
 
     state.values.assign(d.plan.num_slots(), Variable());
@@ -168,7 +271,15 @@ class StageCall final : public ClosureImpl {
   variable_list apply(variable_list inputs) override {
     const auto& d = *desc_;
     CallState state;
-    run(inputs, state);
+    // What this call needs: the outputs the running backward uses, and captures only
+    // when a later stage can follow. A stage k >= 1 call is the grad_fn the engine
+    // applies; stage 0 is called by CompiledFunction (possibly from inside a Function
+    // the engine runs, whose mask is not ours): all of its outputs are needed.
+    std::vector<char> needed(d.plan.stage_outputs(stage_).size(), 1);
+    if (stage_ > 0)
+      for (std::size_t i = 0; i < needed.size(); ++i) needed[i] = engine::should_compute_output(i);
+    const bool captures = !d.linked() || (GradMode::is_enabled() && stage_ + 1 < d.num_stages());
+    run(inputs, state, &needed, captures);
     variable_list outs = std::move(state.outputs);
 
     // Edges of every graph input up to this stage, for the next stage's outputs.

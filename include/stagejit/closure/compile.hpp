@@ -50,6 +50,11 @@ struct CompileOptions {
   /// are kept up to `$STAGEJIT_HOST_CACHE_MB` (default 1024 MiB);
   /// `fusion::HostCachingAllocator::get().empty_cache()` releases them.
   bool cache_host_memory = true;
+  /// Run each call of a stage through a variant specialised on what it needs: only the
+  /// gradients the running backward asks for, nothing for later stages outside grad
+  /// mode, no work on undefined incoming gradients (closure/specialize.hpp, Note [Stage
+  /// variants]). Variants are built on first use and cached per (stage, mask).
+  bool specialize = true;
 };
 
 /// A function compiled by `compile`. Copies share one cache.
@@ -79,6 +84,12 @@ class CompiledFunction {
   /// The optimised graph used for inputs of this spec (compiling it if needed).
   std::shared_ptr<const ir::Graph> graph_for(const variable_list& inputs) {
     return lookup(inputs)->closure->graph;
+  }
+
+  /// The compiled closure used for inputs of this spec (compiling it if needed): its
+  /// stages, plan and stage variants (`MultiStageClosure::variant`, `num_variants`).
+  std::shared_ptr<const closure::MultiStageClosure> closure_for(const variable_list& inputs) {
+    return lookup(inputs)->closure;
   }
 
   /// Cache hits and misses so far.
@@ -149,6 +160,7 @@ class CompiledFunction {
     auto msc = std::make_shared<closure::MultiStageClosure>(g, tr);
     msc->inter_op_parallel = o.inter_op_parallel;
     msc->cache_host_memory = state_->cache_host_memory;
+    msc->specialize = o.specialize;
     entry->closure = std::move(msc);
     std::lock_guard<std::mutex> lock(state_->mutex);
     auto [it, inserted] = state_->cache.emplace(std::move(spec), entry);

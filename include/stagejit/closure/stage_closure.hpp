@@ -51,8 +51,13 @@ struct StageClosure {
 
   /// Builds the closure of stage `s`. Throws `CompileError` naming the node for a node
   /// kind the closure compiler cannot run (a FusionGroup without a kernel, a HostOp
-  /// without the tracer's payload).
-  StageClosure(const CrossStagePlan& plan, std::size_t s) : fn_of_(plan.id_bound()) {
+  /// without the tracer's payload). `slot_map` (optional) renumbers `plan`'s slots into
+  /// another plan's (a stage variant, closure/specialize.hpp): `prev_slots` and the
+  /// captures then use that numbering.
+  StageClosure(const CrossStagePlan& plan, std::size_t s,
+               const std::vector<std::size_t>* slot_map = nullptr)
+      : fn_of_(plan.id_bound()) {
+    if (slot_map) slot_map_ = *slot_map;
     num_outputs = plan.stage_outputs(s).size();
     auto output = keep(make_function(Output{}, {}, static_cast<uint32_t>(num_outputs)));
     auto factory = keep(make_function(ConstantFactory{}, {}, 1));
@@ -105,7 +110,7 @@ struct StageClosure {
       auto edges = targets_of(v);
       fn->next_functions = std::move(edges);
       roots.push_back(Edge{fn, 0});
-      prev_slots.push_back(slot);
+      prev_slots.push_back(renumber(slot));
     }
     roots.push_back(Edge{factory, 0});
 
@@ -119,7 +124,7 @@ struct StageClosure {
       if (producer->is<ir::Undefined>()) continue;  // never runs: the slot stays undefined
       std::size_t index = v->offset();
       callbacks.post.emplace(found,
-                             GenericCallback{[slot, index](Function&, variable_list&,
+                             GenericCallback{[slot = renumber(slot), index](Function&, variable_list&,
                                                            variable_list* outputs, CallState* st) {
                                std::lock_guard<std::mutex> lock(st->mutex);
                                if (st->values.size() <= slot) st->values.resize(slot + 1);
@@ -249,7 +254,7 @@ struct StageClosure {
   /// builder right after construction).
   void install_handle_callbacks(const CrossStagePlan& plan) {
     for (auto& [fn, value] : handle_captures_) {
-      std::ptrdiff_t slot = plan.slot_of(value);
+      std::ptrdiff_t slot = renumber(plan.slot_of(value));
       if (slot < 0) continue;  // the Handle is used by no later stage
       callbacks.post.emplace(fn, GenericCallback{[slot](Function&, variable_list&,
                                                         variable_list* outputs, CallState* st) {
@@ -263,11 +268,11 @@ struct StageClosure {
                              }});
     }
     for (auto& [fn, node] : eval_nodes_) {
-      std::ptrdiff_t in_slot = plan.slot_of(node->inputs().back());
+      std::ptrdiff_t in_slot = renumber(plan.slot_of(node->inputs().back()));
       STAGEJIT_CHECK_AS(CompileError, in_slot >= 0, "closure: Eval ", node->describe(),
                         " reads a Handle made at its own stage");
       bool makes_handle = !node->outputs().empty() && node->outputs().back()->is_handle();
-      std::ptrdiff_t out_slot = makes_handle ? plan.slot_of(node->outputs().back()) : -1;
+      std::ptrdiff_t out_slot = makes_handle ? renumber(plan.slot_of(node->outputs().back())) : -1;
       std::size_t expected = node->outputs().size() - (makes_handle ? 1 : 0);
       std::string where = node->describe();
       // One callback, so running the Handle always precedes capturing the next one
@@ -309,6 +314,16 @@ struct StageClosure {
   }
 
  private:
+  // A slot of the plan the closure is built from, in the numbering of `slot_map_`.
+  std::size_t renumber(std::size_t slot) const {
+    return slot_map_.empty() ? slot : slot_map_.at(slot);
+  }
+  std::ptrdiff_t renumber(std::ptrdiff_t slot) const {
+    if (slot < 0 || slot_map_.empty()) return slot;
+    std::size_t r = slot_map_.at(static_cast<std::size_t>(slot));
+    return r == static_cast<std::size_t>(-1) ? -1 : static_cast<std::ptrdiff_t>(r);
+  }
+  std::vector<std::size_t> slot_map_;
   // The Function of each node of the stage being built, by node id (every id of the
   // plan's graph is below `plan.id_bound()`).
   std::vector<std::shared_ptr<Function>> fn_of_;

@@ -727,8 +727,10 @@ class Graph {
     c->location_ = n.location_;
     return c;
   }
-  /// A deep copy: same inputs, nodes, stages, names, outputs and output groups.
-  std::shared_ptr<Graph> clone() const {
+  /// A deep copy: same inputs, nodes, stages, names, outputs and output groups. With
+  /// `value_map`, it is set to the copy of each value, indexed by the value's id here
+  /// (size `id_bound()`, null for ids of no live value).
+  std::shared_ptr<Graph> clone(std::vector<Value*>* value_map = nullptr) const {
     auto g = std::make_shared<Graph>();
     g->owned_.reserve(owned_.size());
     // Value ids are dense (< next_id_): the map is a vector indexed by id.
@@ -748,6 +750,7 @@ class Graph {
     for (size_t i = 0; i < outputs().size(); ++i)
       g->register_output(lookup(outputs()[i]), output_stage(i));
     g->current_stage_ = current_stage_;
+    if (value_map) *value_map = std::move(map);
     return g;
   }
   /// Copies the nodes of `sub` before `insert_point` (a listed node of this graph or the

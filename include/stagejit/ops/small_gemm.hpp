@@ -1,0 +1,33 @@
+#pragma once
+/// \file
+/// Matrix products of thin shapes through LIBXSMM's JIT-generated kernels (Debian's
+/// `libxsmm-dev`; Heinecke et al., "LIBXSMM: accelerating small matrix multiplications
+/// by runtime code generation", SC'16). Compiled in src/small_gemm.cpp.
+///
+/// The products of a narrow network on many points (a PINN's 20-unit layers on 10 000
+/// collocation points) are [M, K] x [K, N] with M large and K, N tiny, or [K, M]^T x
+/// [M, N] reductions over the points. OpenBLAS runs them at 8-17 GFLOP/s on one core
+/// (packing and scaling the output dominate); LIBXSMM's generated kernels for a block of
+/// 64 rows (or 256 reduced rows) run them 3-4x faster (bench/pinn.md). Every `mm` and
+/// `addmm` of the op table, eager and compiled, goes through `small_mm` first.
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace stagejit::ops {
+
+/// `a @ b` through LIBXSMM when the shape is thin: 2-D float or double CPU tensors of one
+/// dtype, no autograd, and either M >= 256 with K, N <= 64 ("tall": blocks of 64 rows of
+/// `a`) or K >= 256 with M, N <= 64 ("reduction": blocks of 256 along K, accumulated), with
+/// each operand's rows or columns dense (the other stride is the leading dimension).
+/// Returns a contiguous [M, N] tensor equal to `at::mm(a, b)` up to summation order, or
+/// nullopt (the caller runs `at::mm`) when the shape does not qualify, LIBXSMM is not
+/// built in (`STAGEJIT_HAVE_LIBXSMM`), it cannot generate a kernel, or
+/// `$STAGEJIT_SMALL_GEMM=0`. Never throws for a shape it refuses.
+std::optional<at::Tensor> small_mm(const at::Tensor& a, const at::Tensor& b);
+
+/// True when this build calls LIBXSMM and `$STAGEJIT_SMALL_GEMM` is not `0`.
+bool small_mm_enabled() noexcept;
+
+}  // namespace stagejit::ops

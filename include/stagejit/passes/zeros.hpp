@@ -1,0 +1,314 @@
+#pragma once
+/// \file
+/// `passes::propagate_zeros`: removes the work a backward stage does on gradients that
+/// are zero because they were never given (undefined), as libtorch's backward formulas
+/// skip an undefined `grad` (`if (grad.defined())`) instead of multiplying by zeros.
+///
+/// Note [Symbolic zeros]
+/// A *zero* value is known to be all zeros without being computed (an undefined
+/// incoming gradient). Walking one stage's nodes in order, a node reading a zero:
+/// - linear in that input (mul, mm/matmul, div's numerator, neg, sum, mean, expand,
+///   reshape, view, t/transpose, (un)squeeze, sum_to_size, narrow, chunk, to,
+///   zeros_like, `Transpose`/`Reshape` kinds; cat, where and addmm/`Gemm` when every
+///   input that matters is zero) makes zero outputs, and the node is left to DCE;
+/// - additive (add, sub, rsub, addmm/Gemm with a zero product) becomes the other operand
+///   (scaled by `alpha`/`beta` through a scalar `mul` when not 1), when its type equals
+///   the output's (no broadcast hidden in the add); otherwise, as for every other node,
+/// - the zero is *materialised*: a `zeros` op of the value's traced type (one per zero
+///   value, placed before its first such consumer) replaces it at that input.
+/// A FusionGroup reading a zero has its subgraph specialised the same way (outputs that
+/// became zero or a pass-through of an input leave the group, inputs no longer read are
+/// dropped); when that would need a materialised zero inside the kernel, the group keeps
+/// its subgraph and gets materialised inputs. Nodes listed in `pinned` (their outputs are
+/// read by a later stage) are never replaced by a value that already exists: their
+/// outputs become zeros (which the caller hands on to the later stage as zeros), or the
+/// outputs of a specialised FusionGroup made for them (`on_replace` reports each), or
+/// they run on materialised zeros.
+///
+/// Mathematically exact for finite values and, for 0 * inf and 0 * NaN, it follows
+/// libtorch's semantics of an undefined gradient ("no contribution") rather than IEEE's.
+/// Needs the sizes and dtype (`TensorType`) of every value it materialises; throws
+/// `CompileError` naming the value otherwise (the caller then keeps the unspecialised
+/// stage).
+
+#include <stagejit/core/error.hpp>
+#include <stagejit/core/scalar.hpp>
+#include <stagejit/ir/graph.hpp>
+#include <stagejit/passes/dce.hpp>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+namespace stagejit::passes {
+
+/// What `propagate_zeros` reports for the caller's bookkeeping.
+struct ZeroPropagation {
+  /// `on_replace(from, to)`: every use of `from` was redirected to `to` (a value that
+  /// stands for the same tensor). Lets the caller follow values it tracks.
+  std::function<void(ir::Value* from, ir::Value* to)> on_replace;
+};
+
+namespace detail {
+
+class ZeroPass {
+ public:
+  /// Thrown inside a FusionGroup's subgraph, where no `zeros` op can run.
+  struct NeedsMaterialising {};
+
+  ZeroPass(ir::Graph& g, std::optional<std::size_t> stage, const std::vector<char>* pinned,
+           const ZeroPropagation& hooks)
+      : g_(g), stage_(stage), pinned_(pinned), hooks_(hooks) {}
+
+  void mark(const ir::Value* v) { set(zero_, v->id(), 1); }
+  bool is_zero(const ir::Value* v) const { return get(zero_, v->id()); }
+
+  /// Runs over the graph's nodes (of `stage_`, when set) in order.
+  void run() {
+    for (ir::Node* n : g_.nodes()) {
+      if (stage_ && n->stage() != *stage_) continue;
+      bool any = false;
+      for (ir::Value* in : n->inputs()) any = any || is_zero(in);
+      if (!any) continue;
+      pinned_mode_ = pinned_ && n->id() < pinned_->size() && (*pinned_)[n->id()];
+      visit(n);
+    }
+  }
+
+  /// A `zeros` node for zero value `z` placed before `before` (made once per value).
+  ir::Value* materialised(ir::Value* z, ir::Node* before) {
+    if (inner_) throw NeedsMaterialising{};
+    if (ir::Value* m = get_ptr(z->id())) return m;
+    const ir::TensorType* t = z->tensor_type();
+    STAGEJIT_CHECK_AS(CompileError, t, "propagate_zeros: value %", z->id(),
+                      " is zero but has no tensor type to materialise");
+    Attributes attrs{{"size", std::vector<int64_t>(t->sizes.begin(), t->sizes.end())},
+                     {"dtype", static_cast<int64_t>(t->dtype)}};
+    if (!t->device.is_cpu()) attrs.emplace_back("device", t->device.str());
+    ir::Node* n = g_.create(ir::Op::with("zeros", attrs), {},
+                            {ir::TensorType::contiguous(t->dtype, t->sizes, t->device)});
+    n->set_stage(stage_ ? *stage_ : before->stage());
+    n->insert_before(before);
+    set_ptr(z->id(), n->output());
+    return n->output();
+  }
+
+ private:
+  void visit(ir::Node* n) {
+    if (auto* op = n->get_if<ir::Op>()) return visit_op(n, *op);
+    if (n->is<ir::Transpose>() || n->is<ir::Reshape>()) return zero_outputs(n);
+    if (auto* gemm = n->get_if<ir::Gemm>()) {
+      const bool product_zero = is_zero(n->input(0)) || is_zero(n->input(1));
+      if (product_zero && is_zero(n->input(2))) return zero_outputs(n);
+      if (product_zero) return forward_scaled(n, n->input(2), gemm->beta);
+      return materialise_inputs(n);
+    }
+    if (auto* fg = n->get_if<ir::FusionGroup>(); fg && fg->subgraph) return visit_group(n, *fg);
+    materialise_inputs(n);
+  }
+
+  static double attr_double(const ir::Op& op, std::string_view key, double fallback) {
+    if (const ir::AttributeValue* v = op.attribute(key)) {
+      if (auto d = std::get_if<double>(v)) return *d;
+      if (auto i = std::get_if<int64_t>(v)) return static_cast<double>(*i);
+    }
+    return fallback;
+  }
+
+  void visit_op(ir::Node* n, const ir::Op& op) {
+    const std::string_view name = op.name;
+    const std::size_t k = n->inputs().size();
+    auto zero = [&](std::size_t i) { return i < k && is_zero(n->input(i)); };
+    bool all_zero = true;
+    for (std::size_t i = 0; i < k; ++i) all_zero = all_zero && zero(i);
+    // Linear in every input (or in the one input they have).
+    static constexpr std::string_view linear[] = {
+        "mul", "mm", "matmul", "neg", "sum", "mean", "expand", "reshape", "view", "t",
+        "transpose", "unsqueeze", "squeeze", "sum_to_size", "narrow", "chunk", "to",
+        "zeros_like"};
+    for (std::string_view l : linear)
+      if (name == l) return zero_outputs(n);
+    if (name == "div") return zero(0) ? zero_outputs(n) : materialise_inputs(n);
+    if (name == "nll_loss_backward") return zero(0) ? zero_outputs(n) : materialise_inputs(n);
+    if (name == "cat" || name == "where") {
+      // where(condition, a, b): the condition is never a zero gradient; a and b are.
+      bool values_zero = name == "cat" ? all_zero : (zero(1) && zero(2));
+      return values_zero ? zero_outputs(n) : materialise_inputs(n);
+    }
+    if (name == "masked_fill")
+      return zero(0) && attr_double(op, "value", 1) == 0 ? zero_outputs(n) : materialise_inputs(n);
+    if (k == 2 && (name == "add" || name == "sub" || name == "rsub")) {
+      if (all_zero) return zero_outputs(n);
+      const double alpha = attr_double(op, "alpha", 1);
+      // add: a + alpha b; sub: a - alpha b; rsub: b - alpha a.
+      if (name == "add") return zero(0) ? forward_scaled(n, n->input(1), alpha) : forward_scaled(n, n->input(0), 1);
+      if (name == "sub") return zero(0) ? forward_scaled(n, n->input(1), -alpha) : forward_scaled(n, n->input(0), 1);
+      return zero(0) ? forward_scaled(n, n->input(1), 1) : forward_scaled(n, n->input(0), -alpha);
+    }
+    if (name == "addmm") {
+      const bool product_zero = zero(1) || zero(2);
+      if (product_zero && zero(0)) return zero_outputs(n);
+      if (product_zero) return forward_scaled(n, n->input(0), attr_double(op, "beta", 1));
+    }
+    materialise_inputs(n);
+  }
+
+  // The node's output is `scale * v`; v is not zero.
+  void forward_scaled(ir::Node* n, ir::Value* v, double scale) {
+    if (pinned_mode_) return materialise_inputs(n);  // its output must stay its own
+    ir::Value* out = n->output();
+    const ir::TensorType* to = out->tensor_type();
+    const ir::TensorType* tv = v->tensor_type();
+    if (!to || !tv || to->sizes != tv->sizes || to->dtype != tv->dtype || to->device != tv->device)
+      return materialise_inputs(n);  // a broadcast or cast hides in the op: keep it
+    ir::Value* result = v;
+    if (scale != 1) {
+      ir::Node* m = g_.create(ir::Op::with("mul", {{"other", scale}}), {v}, {out->type()});
+      m->set_stage(n->stage());
+      m->insert_before(n);
+      result = m->output();
+    }
+    replace(out, result);
+  }
+
+  void zero_outputs(ir::Node* n) {
+    for (ir::Value* o : n->outputs()) mark(o);
+  }
+
+  void materialise_inputs(ir::Node* n) {
+    for (std::size_t i = 0; i < n->inputs().size(); ++i)
+      if (is_zero(n->input(i))) n->replace_input(i, materialised(n->input(i), n));
+  }
+
+  // Specialises a FusionGroup's subgraph on its zero inputs (Note [Symbolic zeros]).
+  void visit_group(ir::Node* n, const ir::FusionGroup& fg) {
+    std::shared_ptr<ir::Graph> sub = fg.subgraph->clone();
+    ZeroPass inner(*sub, std::nullopt, nullptr, {});
+    for (std::size_t i = 0; i < n->inputs().size(); ++i)
+      if (is_zero(n->input(i))) inner.mark(sub->inputs()[i]);
+    inner.inner_ = true;
+    try {
+      inner.run();
+    } catch (const NeedsMaterialising&) {
+      return materialise_inputs(n);
+    }
+    // Each group output: still computed, zero, or one of the group's inputs.
+    std::vector<ir::Value*> outer_of(n->outputs().size(), nullptr);  // replacement, or null
+    std::vector<char> zero_out(n->outputs().size(), 0);
+    for (std::size_t j = 0; j < sub->outputs().size(); ++j) {
+      ir::Value* so = sub->outputs()[j];
+      if (inner.is_zero(so)) {
+        zero_out[j] = 1;
+        continue;
+      }
+      if (so->node()->is<ir::Param>()) {
+        std::size_t i = 0;
+        while (sub->inputs()[i] != so) ++i;
+        ir::Value* outer_in = n->input(i);
+        const ir::TensorType* a = outer_in->tensor_type();
+        const ir::TensorType* b = n->output(j)->tensor_type();
+        if (!a || !b || a->sizes != b->sizes || a->dtype != b->dtype) return materialise_inputs(n);
+        outer_of[j] = outer_in;
+      }
+    }
+    if (pinned_mode_) {
+      // Its outputs must stay its own values: none may become one of its inputs (the
+      // specialised group's outputs replace them through `on_replace`).
+      for (ir::Value* o : outer_of)
+        if (o) return materialise_inputs(n);
+    }
+    for (std::size_t j = sub->outputs().size(); j-- > 0;)
+      if (zero_out[j] || outer_of[j]) sub->erase_output(j);
+    eliminate_dead_code(*sub);
+    // The clone keeps the group's input order: input i of `sub` is input i of `n`.
+    std::vector<ir::Value*> kept_outer;
+    for (std::size_t i = 0; i < sub->inputs().size(); ++i)
+      if (sub->inputs()[i]->has_uses()) kept_outer.push_back(n->input(i));
+    for (std::size_t i = sub->inputs().size(); i-- > 0;)
+      if (!sub->inputs()[i]->has_uses()) sub->erase_input(i);
+    ir::Node* repl = nullptr;
+    if (!sub->outputs().empty()) {
+      std::vector<ir::Type> types;
+      for (ir::Value* so : sub->outputs()) types.push_back(so->type());
+      repl = g_.create(ir::FusionGroup{sub}, kept_outer, types);
+      repl->set_stage(n->stage());
+      repl->insert_before(n);
+    }
+    std::size_t next_out = 0;
+    for (std::size_t j = 0; j < n->outputs().size(); ++j) {
+      ir::Value* o = n->output(j);
+      if (zero_out[j]) mark(o);
+      else if (outer_of[j]) replace(o, outer_of[j]);
+      else replace(o, repl->output(next_out++));
+    }
+  }
+
+  void replace(ir::Value* from, ir::Value* to) {
+    if (hooks_.on_replace) hooks_.on_replace(from, to);
+    from->replace_all_uses_with(to);
+  }
+
+  static void set(std::vector<char>& v, std::size_t i, char x) {
+    if (v.size() <= i) v.resize(std::max<std::size_t>(2 * v.size(), i + 1), 0);
+    v[i] = x;
+  }
+  static bool get(const std::vector<char>& v, std::size_t i) { return i < v.size() && v[i]; }
+  ir::Value* get_ptr(std::size_t i) const { return i < zeros_.size() ? zeros_[i] : nullptr; }
+  void set_ptr(std::size_t i, ir::Value* z) {
+    if (zeros_.size() <= i) zeros_.resize(std::max<std::size_t>(2 * zeros_.size(), i + 1), nullptr);
+    zeros_[i] = z;
+  }
+
+  ir::Graph& g_;
+  std::optional<std::size_t> stage_;
+  const std::vector<char>* pinned_;
+  ZeroPropagation hooks_;
+  std::vector<char> zero_;
+  std::vector<ir::Value*> zeros_;  // zero value id -> its materialised `zeros`
+  bool inner_ = false;  // inside a FusionGroup: materialising is not possible
+  bool pinned_mode_ = false;  // the node being visited is pinned
+};
+
+}  // namespace detail
+
+/// Propagates the zero values `zeros` through the nodes of `stage` (Note [Symbolic
+/// zeros]); nodes whose id is set in `pinned` (may be null) are not rewritten. Returns the
+/// zero values (inputs, or outputs of `stage`'s nodes) that a graph output or a node of
+/// another stage still reads: the caller decides what they become (an undefined output,
+/// an undefined value for a later stage). Nodes of `stage` no longer read zeros except
+/// nodes whose outputs are all zero; dead nodes are left for `eliminate_dead_code`. Throws `CompileError` when a zero must
+/// be materialised and its value has no tensor type.
+inline std::vector<ir::Value*> propagate_zeros(ir::Graph& graph, std::size_t stage,
+                                               const std::vector<ir::Value*>& zeros,
+                                               const std::vector<char>* pinned = nullptr,
+                                               const ZeroPropagation& hooks = {}) {
+  detail::ZeroPass pass(graph, stage, pinned, hooks);
+  for (ir::Value* z : zeros) pass.mark(z);
+  pass.run();
+  std::vector<ir::Value*> live;
+  auto consider = [&](ir::Value* v) {
+    if (!pass.is_zero(v)) return;
+    for (const ir::Use& u : v->uses())
+      if (u.user == graph.return_node() || u.user->stage() != stage) {
+        live.push_back(v);
+        return;
+      }
+  };
+  for (ir::Value* in : graph.inputs()) consider(in);
+  for (ir::Node* n : graph.nodes())
+    if (n->stage() == stage)
+      for (ir::Value* o : n->outputs()) consider(o);
+  return live;
+}
+
+/// Materialises zero value `z` (of a tensor type) as a `zeros` op of stage `stage`
+/// placed before `before`. Throws `CompileError` when `z` has no tensor type.
+inline ir::Value* materialise_zero(ir::Graph& graph, ir::Value* z, std::size_t stage,
+                                   ir::Node* before) {
+  detail::ZeroPass pass(graph, stage, nullptr, {});
+  return pass.materialised(z, before);
+}
+
+}  // namespace stagejit::passes

@@ -1,0 +1,176 @@
+// Thin matrix products through LIBXSMM (see include/stagejit/ops/small_gemm.hpp).
+//
+// Note [Row-major products as LIBXSMM calls]
+// LIBXSMM multiplies column-major matrices. A row-major C[M, N] = A[M, K] B[K, N] is the
+// column-major C'[N, M] = B'[N, K] A'[K, M] with C' = C^T (ldc = N), B' = B^T and
+// A' = A^T: a' = B and b' = A, read in place. B' is read without transposition when B's
+// rows are dense (stride(1) == 1, lda = stride(0)); LIBXSMM 1.17 cannot read it
+// transposed, so a B with dense columns is copied dense first. A' is read without
+// transposition when A's rows are dense (ldb = stride(0)), else transposed (stride(0) ==
+// 1, ldb = stride(1)). "Tall" products cut M into blocks of 64
+// rows (a kernel with n = 64); "reductions" cut K into blocks of 256 (a kernel with
+// beta = 0 for the first block, beta = 1 after). Kernels are generated once per shape
+// and kept by LIBXSMM's own registry (its dispatch is thread-safe).
+#include <stagejit/ops/small_gemm.hpp>
+
+#include <ATen/Parallel.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#if defined(STAGEJIT_HAVE_LIBXSMM)
+#include <libxsmm.h>
+#endif
+
+namespace stagejit::ops {
+
+namespace {
+
+constexpr int64_t kSmall = 64;       // K and N (tall) or M and N (reduction) at most
+constexpr int64_t kLarge = 256;      // M (tall) or K (reduction) at least
+constexpr int64_t kRowBlock = 64;    // rows of A per kernel call (tall)
+constexpr int64_t kReduceBlock = 256;  // columns of A per kernel call (reduction)
+
+bool enabled_by_environment() {
+  static const bool on = [] {
+    const char* v = std::getenv("STAGEJIT_SMALL_GEMM");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
+#if defined(STAGEJIT_HAVE_LIBXSMM)
+
+// One operand as LIBXSMM reads it: its leading dimension and whether it is transposed.
+struct Operand {
+  bool ok = false;
+  bool trans = false;
+  int64_t ld = 0;
+};
+
+// `t` [R, C] read as the column-major [C, R] matrix (Note [Row-major products ...]).
+Operand as_column_major_transpose(const at::Tensor& t) {
+  const int64_t r = t.size(0), c = t.size(1);
+  // The stride of a size-1 dimension is never used: give it the dense value.
+  const int64_t s0 = r == 1 ? c : t.stride(0), s1 = c == 1 ? 1 : t.stride(1);
+  if (s1 == 1 && s0 >= std::max<int64_t>(c, 1)) return {true, false, s0};
+  if (s0 == 1 && s1 >= std::max<int64_t>(r, 1)) return {true, true, s1};
+  return {};
+}
+
+template <class T>
+struct Kernels;
+template <>
+struct Kernels<float> {
+  using Fn = libxsmm_smmfunction;
+  static Fn get(int m, int n, int k, int lda, int ldb, int ldc, float beta, int flags) {
+    float alpha = 1;
+    return libxsmm_smmdispatch(m, n, k, &lda, &ldb, &ldc, &alpha, &beta, &flags, nullptr);
+  }
+};
+template <>
+struct Kernels<double> {
+  using Fn = libxsmm_dmmfunction;
+  static Fn get(int m, int n, int k, int lda, int ldb, int ldc, double beta, int flags) {
+    double alpha = 1;
+    return libxsmm_dmmdispatch(m, n, k, &lda, &ldb, &ldc, &alpha, &beta, &flags, nullptr);
+  }
+};
+
+template <class T>
+std::optional<at::Tensor> run(const at::Tensor& a, const at::Tensor& b_in) {
+  const int64_t M = a.size(0), K = a.size(1), N = b_in.size(1);
+  const bool tall = M >= kLarge && K <= kSmall && N <= kSmall;
+  const bool reduction = !tall && K >= kLarge && M <= kSmall && N <= kSmall;
+  if (!tall && !reduction) return std::nullopt;
+  const Operand A = as_column_major_transpose(a);
+  Operand B = as_column_major_transpose(b_in);
+  if (!A.ok || !B.ok) return std::nullopt;
+  // LIBXSMM 1.17 generates no kernel reading its first operand transposed: a `b` with
+  // dense columns (W^T of a backward) is copied dense (at most 64 x 64 in a tall product;
+  // the copy of a reduction's [K, N] costs one pass, far less than the product).
+  at::Tensor b = b_in;
+  if (B.trans) {
+    b = b_in.contiguous();
+    B = as_column_major_transpose(b);
+    if (!B.ok || B.trans) return std::nullopt;
+  }
+  // LIBXSMM takes int leading dimensions.
+  if (A.ld > INT32_MAX || B.ld > INT32_MAX || M > INT32_MAX || K > INT32_MAX) return std::nullopt;
+  const int flags = (B.trans ? LIBXSMM_GEMM_FLAG_TRANS_A : 0) | (A.trans ? LIBXSMM_GEMM_FLAG_TRANS_B : 0);
+  const T* pa = a.data_ptr<T>();
+  const T* pb = b.data_ptr<T>();
+  at::Tensor c = at::empty({M, N}, a.options().memory_format(at::MemoryFormat::Contiguous));
+  T* pc = c.data_ptr<T>();
+  const int n = static_cast<int>(N), ldc = static_cast<int>(N);
+  const int lda = static_cast<int>(B.ld), ldb = static_cast<int>(A.ld);
+
+  if (tall) {
+    // Block of rows m0..m0+rows of A: b' starts at row m0 of A.
+    const int64_t a_row_step = A.trans ? 1 : A.ld;
+    const auto full = Kernels<T>::get(n, static_cast<int>(kRowBlock), static_cast<int>(K), lda, ldb, ldc, T(0), flags);
+    const int64_t rest = M % kRowBlock;
+    const auto tail = rest ? Kernels<T>::get(n, static_cast<int>(rest), static_cast<int>(K), lda, ldb, ldc, T(0), flags)
+                           : full;
+    if (!full || !tail) return std::nullopt;
+    const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t m0 = blk * kRowBlock;
+        const auto fn = (m0 + kRowBlock <= M) ? full : tail;
+        fn(pb, pa + m0 * a_row_step, pc + m0 * N);
+      }
+    });
+    return c;
+  }
+  // Reduction over K: a' (from B) advances along k by its rows, b' (from A) along its
+  // columns.
+  const int64_t b_k_step = B.trans ? 1 : B.ld;
+  const int64_t a_k_step = A.trans ? A.ld : 1;
+  const int m = static_cast<int>(M);
+  const auto first = Kernels<T>::get(n, m, static_cast<int>(kReduceBlock), lda, ldb, ldc, T(0), flags);
+  const auto next = Kernels<T>::get(n, m, static_cast<int>(kReduceBlock), lda, ldb, ldc, T(1), flags);
+  const int64_t rest = K % kReduceBlock;
+  const auto tail = rest ? Kernels<T>::get(n, m, static_cast<int>(rest), lda, ldb, ldc, K < kReduceBlock ? T(0) : T(1), flags)
+                         : next;
+  if (!first || !next || !tail) return std::nullopt;
+  int64_t k0 = 0;
+  for (; k0 + kReduceBlock <= K; k0 += kReduceBlock)
+    (k0 == 0 ? first : next)(pb + k0 * b_k_step, pa + k0 * a_k_step, pc);
+  if (k0 < K) tail(pb + k0 * b_k_step, pa + k0 * a_k_step, pc);
+  return c;
+}
+
+#endif  // STAGEJIT_HAVE_LIBXSMM
+
+}  // namespace
+
+bool small_mm_enabled() noexcept {
+#if defined(STAGEJIT_HAVE_LIBXSMM)
+  return enabled_by_environment();
+#else
+  return false;
+#endif
+}
+
+std::optional<at::Tensor> small_mm(const at::Tensor& a, const at::Tensor& b) {
+#if defined(STAGEJIT_HAVE_LIBXSMM)
+  if (!enabled_by_environment()) return std::nullopt;
+  if (!a.defined() || !b.defined() || a.dim() != 2 || b.dim() != 2 || !a.device().is_cpu() ||
+      !b.device().is_cpu() || a.scalar_type() != b.scalar_type() || a.size(1) != b.size(0) ||
+      a.requires_grad() || b.requires_grad() || a.is_conj() || b.is_conj() || a.is_neg() || b.is_neg())
+    return std::nullopt;
+  if (a.numel() == 0 || b.numel() == 0) return std::nullopt;
+  switch (a.scalar_type()) {
+    case at::kFloat: return run<float>(a, b);
+    case at::kDouble: return run<double>(a, b);
+    default: return std::nullopt;
+  }
+#else
+  (void)a;
+  (void)b;
+  return std::nullopt;
+#endif
+}
+
+}  // namespace stagejit::ops
