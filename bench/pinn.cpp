@@ -25,6 +25,8 @@
 #include <CLI/CLI.hpp>
 
 #include <atomic>
+#include <map>
+#include <mutex>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -45,7 +47,25 @@ thread_local int t_gemm_depth = 0;  // nested products (matmul -> mm) are counte
 
 struct GemmContext : at::ObserverContext {
   std::chrono::steady_clock::time_point start;
+  std::string shape;
 };
+
+// With --gemm-detail: time and count per (op, operand shapes), outermost products only.
+std::atomic<bool> g_detail{false};
+std::mutex g_detail_mutex;
+std::map<std::string, std::pair<int64_t, int64_t>> g_detail_ns;  // key -> (ns, calls)
+
+std::string shapes_of(const at::RecordFunction& fn) {
+  std::string s = fn.name();
+  for (const c10::IValue& v : fn.inputs())
+    if (v.isTensor()) {
+      s += " [";
+      const auto sizes = v.toTensor().sizes();
+      for (std::size_t i = 0; i < sizes.size(); ++i) s += (i ? "," : "") + std::to_string(sizes[i]);
+      s += "]";
+    }
+  return s;
+}
 
 bool is_gemm(const char* name) {
   for (const char* g : {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul"})
@@ -57,6 +77,7 @@ std::unique_ptr<at::ObserverContext> gemm_start(const at::RecordFunction& fn) {
   if (!is_gemm(fn.name())) return nullptr;
   if (t_gemm_depth++ > 0) return nullptr;
   auto ctx = std::make_unique<GemmContext>();
+  if (g_detail) ctx->shape = shapes_of(fn);
   ctx->start = std::chrono::steady_clock::now();
   return ctx;
 }
@@ -65,9 +86,16 @@ void gemm_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   if (!is_gemm(fn.name())) return;
   --t_gemm_depth;
   if (auto* c = static_cast<GemmContext*>(ctx)) {
-    g_gemm_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                     std::chrono::steady_clock::now() - c->start).count();
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - c->start).count();
+    g_gemm_ns += ns;
     ++g_gemm_calls;
+    if (g_detail) {
+      std::lock_guard<std::mutex> lock(g_detail_mutex);
+      auto& e = g_detail_ns[c->shape];
+      e.first += ns;
+      ++e.second;
+    }
   }
 }
 
@@ -87,6 +115,7 @@ int main(int argc, char** argv) {
   int64_t n_f = 10000;
   int rounds = 20, warmup = 3;
   uint64_t seed = 0;
+  bool gemm_detail = false;
   CLI::App app{"One Burgers PINN training step (loss + parameter gradients) in four modes, "
                "median of interleaved rounds, one ATen thread."};
   app.add_option("--dtype", dtype_name, "float or double")->capture_default_str()
@@ -98,6 +127,8 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "Untimed rounds first")->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   app.add_option("--seed", seed, "Seeds the weights and the points")->capture_default_str();
+  app.add_flag("--gemm-detail", gemm_detail, "In the profiled round, list each mode's products by "
+               "operand shapes (time, count)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -168,14 +199,23 @@ int main(int argc, char** argv) {
   double gemm_ms[kModes], profiled_ms[kModes];
   int64_t gemm_calls[kModes];
   {
-    auto handle = at::addGlobalCallback(at::RecordFunctionCallback(gemm_start, gemm_end));
+    g_detail = gemm_detail;
+    auto handle = at::addGlobalCallback(at::RecordFunctionCallback(gemm_start, gemm_end).needsInputs(gemm_detail));
     for (std::size_t m = 0; m < kModes; ++m) {
       Params g;
       g_gemm_ns = 0;
       g_gemm_calls = 0;
+      g_detail_ns.clear();
       profiled_ms[m] = sj::bench::once_ms([&] { (void)steppers[m]->step(params, g); });
       gemm_ms[m] = double(g_gemm_ns.load()) * 1e-6;
       gemm_calls[m] = g_gemm_calls.load();
+      if (gemm_detail) {
+        std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> rows(g_detail_ns.begin(), g_detail_ns.end());
+        std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+        std::printf("  products of %s (profiled round), by time:\n", labels[m]);
+        for (const auto& [key, v] : rows)
+          std::printf("    %8.3f ms %4lld x  %s\n", double(v.first) * 1e-6, (long long)v.second, key.c_str());
+      }
     }
     at::removeCallback(handle);
   }
