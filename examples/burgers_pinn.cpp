@@ -53,7 +53,7 @@ double seconds_since(Clock::time_point t0) {
 // are erratic), then L-BFGS with strong Wolfe line search does the fitting, as in the
 // PINN literature after the paper (the paper itself uses L-BFGS-B alone: --paper).
 constexpr int kDefaultAdam = 500;
-constexpr int kDefaultLbfgs = 2000;
+constexpr int kDefaultLbfgs = 3000;
 // The paper's budget (its code: scipy L-BFGS-B, maxiter 50 000, maxcor 50, ftol = eps).
 constexpr int kPaperLbfgs = 50000;
 constexpr int kLbfgsHistory = 50;
@@ -291,7 +291,8 @@ void write_plot(std::FILE* f, const Params& p, const TrainingData& data, const R
   const double lo = ref.u.min().item<double>(), hi = ref.u.max().item<double>();
   auto img = pinn::plot::render({{"exact u(t,x)", ref.u, lo, hi},
                                  {"predicted", u_pred, lo, hi},
-                                 {"|error|", err, 0.0, err.max().item<double>()}},
+                                 {"|error|  rel L2 " + pinn::plot::number(relative_l2_error(p, data)), err, 0.0,
+                                  err.max().item<double>()}},
                                 kTMin, kTMax, kXMin, kXMax);
   auto sink = [](void* ctx, void* bytes, int size) {
     std::fwrite(bytes, 1, std::size_t(size), static_cast<std::FILE*>(ctx));
@@ -322,6 +323,19 @@ void print_summary(const std::vector<std::unique_ptr<Trainer>>& trainers) {
               "* L-BFGS stopped before its budget on a tolerance (converged or stalled).\n");
 }
 
+/// Option checks with short messages (CLI11's PositiveNumber prints the range up to
+/// DBL_MAX in full).
+CLI::Validator number_check(bool allow_zero) {
+  return CLI::Validator(
+      [allow_zero](std::string& in) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(in, v) || !std::isfinite(v)) return "not a number: " + in;
+        if (allow_zero ? v < 0 : v <= 0) return std::string("must be ") + (allow_zero ? ">= 0" : "> 0") + ", got " + in;
+        return "";
+      },
+      allow_zero ? ">= 0" : "> 0");
+}
+
 /// Sets OpenBLAS's own thread count (Debian's libtorch calls the system BLAS, OpenBLAS,
 /// whose threads at::set_num_threads does not control), if OpenBLAS is the BLAS loaded.
 /// Why it matters: OpenBLAS's idle threads spin; when stagejit's engine runs a backward
@@ -348,6 +362,7 @@ std::FILE* open_output(const std::string& path, const char* what, const char* mo
 
 int main(int argc, char** argv) {
   Options o;
+  const CLI::Validator positive = number_check(false), non_negative = number_check(true);
   CLI::App app{
       "Physics-informed neural network for the viscous Burgers equation (Raissi et al., J. Comput.\n"
       "Phys. 2019, section 3.1): a 2-20x8-1 tanh network trained on N_u initial/boundary points and\n"
@@ -356,22 +371,22 @@ int main(int argc, char** argv) {
       "(--compile-loss), stagejit's eager autograd (--eager) or libtorch (--libtorch), all from\n"
       "the same weights and points. The error is measured against the exact (Cole-Hopf) solution."};
   auto* adam = app.add_option("--adam", o.adam, "Adam iterations before L-BFGS")
-                   ->capture_default_str()->check(CLI::NonNegativeNumber);
+                   ->capture_default_str()->check(non_negative);
   auto* lbfgs = app.add_option("--lbfgs", o.lbfgs, "L-BFGS iterations at most (stops earlier on "
-                               "convergence)")->capture_default_str()->check(CLI::NonNegativeNumber);
-  app.add_option("--lr", o.lr, "Adam learning rate")->capture_default_str()->check(CLI::PositiveNumber);
+                               "convergence)")->capture_default_str()->check(non_negative);
+  app.add_option("--lr", o.lr, "Adam learning rate")->capture_default_str()->check(positive);
   app.add_option("--dtype", o.dtype, "float or double")->capture_default_str()
       ->check(CLI::IsMember({"float", "double"}));
   app.add_option("--threads", o.threads, "ATen intra-op threads and OpenBLAS threads (0: their defaults)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(non_negative);
   app.add_option("--seed", o.seed, "Seeds the initial weights, the N_u points and the collocation "
                  "points")->capture_default_str();
   app.add_option("--collocation", o.n_f, "N_f: collocation points (Latin hypercube)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(positive);
   app.add_option("--boundary", o.n_u, "N_u: initial/boundary points (at most 456: the grid's)")
       ->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(2 * kGridT + kGridX)));
   app.add_option("--report-every", o.report_every, "Report (loss, relative L2 error) every K "
-                 "iterations")->capture_default_str()->check(CLI::PositiveNumber);
+                 "iterations")->capture_default_str()->check(positive);
   app.add_option("--metrics", o.metrics, "Write a CSV: [mode,]iteration,phase,evaluations,loss,"
                  "rel_l2_error,seconds, one row per report");
   app.add_option("--plot", o.plot, "Write a PNG: exact, predicted and |error| of u(t, x) as heatmaps");
