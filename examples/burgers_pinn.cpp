@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -99,7 +100,7 @@ std::string fmt_duration(double s) {
 class Trainer {
  public:
   Trainer(Mode mode, const Options& o, const TrainingData& data, const Params& init)
-      : mode_(mode), o_(o), data_(data), stepper_(mode, data) {
+      : mode_(mode), o_(o), data_(data), stepper_(mode, data), lbfgs_finished_(o.lbfgs == 0) {
     for (const auto& t : init) p_.push_back(t.detach().clone().requires_grad_(true));
     adam_ = std::make_unique<torch::optim::Adam>(p_, torch::optim::AdamOptions(o.lr));
     // tolerance_change: scipy's ftol = machine epsilon of the paper's code (here as an
@@ -241,7 +242,7 @@ class Trainer {
   std::unique_ptr<torch::optim::Adam> adam_;
   std::unique_ptr<torch::optim::LBFGS> lbfgs_;
   int adam_done_ = 0, lbfgs_done_ = 0;
-  bool lbfgs_finished_ = false, converged_ = false;
+  bool lbfgs_finished_, converged_ = false;
   int64_t adam_evals_ = 0, lbfgs_evals_ = 0;
   double adam_eval_s_ = 0, lbfgs_eval_s_ = 0, train_s_ = 0, last_loss_ = NAN;
   std::vector<Report> reports_;
@@ -414,6 +415,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (o.paper) o.adam = 0, o.lbfgs = kPaperLbfgs;
+  if (o.adam == 0 && o.lbfgs == 0) {
+    std::fprintf(stderr, "error: --adam and --lbfgs are both 0: nothing to train (see --help)\n");
+    return 2;
+  }
   bool blas_set = false;
   if (o.threads > 0) {
     at::set_num_threads(o.threads);
