@@ -1,0 +1,256 @@
+// bench/pinn: one training step of the Burgers PINN (Raissi et al. 2019, section 3.1;
+// examples/pinn/burgers.hpp): the loss MSE_u + MSE_f, whose residual needs u_t, u_x and
+// u_xx of a 2-20x8-1 tanh network, and its gradients with respect to the weights (a
+// third derivative of the network), at N_f = 10 000 collocation points, in four modes:
+//
+//   staged compiled  the network compiled with 3 derivatives; grad(u, X), grad(u_x, X)
+//                    and grad(loss, params) run its compiled stages 1, 2, 3
+//   compile-loss     the whole loss, inner grads included, compiled with 1 derivative
+//   stagejit eager   the same code on stagejit's eager autograd
+//   libtorch eager   the same code on libtorch's autograd
+//
+// One ATen thread. Median over R rounds in one process after W warm-up rounds; each
+// round runs every mode once, the order rotating by one every round, so drifts of the
+// machine shift every mode alike. The first round's losses and gradients are checked
+// against libtorch's. A separate, untimed round with ATen RecordFunction callbacks
+// measures the time spent in matrix products (aten::mm, addmm, bmm, matmul; outermost
+// call only): the floor no compiler of this step removes.
+//
+// Options: --dtype float|double (default float), --collocation N (default 10 000),
+// --rounds R (default 20), --warmup W (default 3), --seed S.
+#include "../examples/pinn/burgers.hpp"
+#include "bench_util.hpp"
+
+#include <ATen/record_function.h>
+#include <CLI/CLI.hpp>
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace sj = stagejit;
+using namespace pinn::burgers;
+
+namespace {
+
+// ------------------------------------------------------------------ GEMM profiling
+
+std::atomic<int64_t> g_gemm_ns{0};     // summed over products (and threads)
+std::atomic<int64_t> g_gemm_calls{0};
+// Wall time during which at least one product runs: the compiled stages may run products
+// on two threads at once (the engine's worker and the caller), where the sum above can
+// exceed the step's wall time.
+std::mutex g_busy_mutex;
+int g_busy_active = 0;
+std::chrono::steady_clock::time_point g_busy_start;
+int64_t g_busy_ns = 0;
+
+void busy_enter(std::chrono::steady_clock::time_point now) {
+  std::lock_guard<std::mutex> lock(g_busy_mutex);
+  if (g_busy_active++ == 0) g_busy_start = now;
+}
+void busy_leave(std::chrono::steady_clock::time_point now) {
+  std::lock_guard<std::mutex> lock(g_busy_mutex);
+  if (--g_busy_active == 0)
+    g_busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(now - g_busy_start).count();
+}
+thread_local int t_gemm_depth = 0;  // nested products (matmul -> mm) are counted once
+
+struct GemmContext : at::ObserverContext {
+  std::chrono::steady_clock::time_point start;
+  std::string shape;
+};
+
+// With --gemm-detail: time and count per (op, operand shapes), outermost products only.
+std::atomic<bool> g_detail{false};
+std::mutex g_detail_mutex;
+std::map<std::string, std::pair<int64_t, int64_t>> g_detail_ns;  // key -> (ns, calls)
+
+std::string shapes_of(const at::RecordFunction& fn) {
+  std::string s = fn.name();
+  for (const c10::IValue& v : fn.inputs())
+    if (v.isTensor()) {
+      s += " [";
+      const auto sizes = v.toTensor().sizes();
+      for (std::size_t i = 0; i < sizes.size(); ++i) s += (i ? "," : "") + std::to_string(sizes[i]);
+      s += "]";
+    }
+  return s;
+}
+
+bool is_gemm(const char* name) {
+  for (const char* g : {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul"})
+    if (std::strcmp(name, g) == 0) return true;
+  return false;
+}
+
+std::unique_ptr<at::ObserverContext> gemm_start(const at::RecordFunction& fn) {
+  if (!is_gemm(fn.name())) return nullptr;
+  if (t_gemm_depth++ > 0) return nullptr;
+  auto ctx = std::make_unique<GemmContext>();
+  if (g_detail) ctx->shape = shapes_of(fn);
+  ctx->start = std::chrono::steady_clock::now();
+  busy_enter(ctx->start);
+  return ctx;
+}
+
+void gemm_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+  if (!is_gemm(fn.name())) return;
+  --t_gemm_depth;
+  if (auto* c = static_cast<GemmContext*>(ctx)) {
+    const auto now = std::chrono::steady_clock::now();
+    busy_leave(now);
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now - c->start).count();
+    g_gemm_ns += ns;
+    ++g_gemm_calls;
+    if (g_detail) {
+      std::lock_guard<std::mutex> lock(g_detail_mutex);
+      auto& e = g_detail_ns[c->shape];
+      e.first += ns;
+      ++e.second;
+    }
+  }
+}
+
+/// max over the loss and every gradient of max |x - ref| / max |ref|.
+double max_rel_diff(const at::Tensor& loss, const Params& grads, const at::Tensor& ref_loss,
+                    const Params& ref_grads) {
+  double d = sj::bench::max_rel_diff(loss.to(at::kDouble), ref_loss.to(at::kDouble));
+  for (std::size_t i = 0; i < grads.size(); ++i)
+    d = std::max(d, sj::bench::max_rel_diff(grads[i].to(at::kDouble), ref_grads[i].to(at::kDouble)));
+  return d;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string dtype_name = "float";
+  int64_t n_f = 10000;
+  int rounds = 20, warmup = 3;
+  uint64_t seed = 0;
+  bool gemm_detail = false;
+  CLI::App app{"One Burgers PINN training step (loss + parameter gradients) in four modes, "
+               "median of interleaved rounds, one ATen thread."};
+  app.add_option("--dtype", dtype_name, "float or double")->capture_default_str()
+      ->check(CLI::IsMember({"float", "double"}));
+  app.add_option("--collocation", n_f, "N_f: collocation points")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--rounds", rounds, "Timed rounds (each runs every mode once)")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup, "Untimed rounds first")->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", seed, "Seeds the weights and the points")->capture_default_str();
+  app.add_flag("--gemm-detail", gemm_detail, "In the profiled round, list each mode's products by "
+               "operand shapes (time, count)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::printf("%s", app.help().c_str());
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "error: %s (see --help)\n", e.what());
+    return 2;
+  }
+
+  at::set_num_threads(1);
+  const char* blas_env = std::getenv("OPENBLAS_NUM_THREADS");
+  std::printf("ATen threads %d; OPENBLAS_NUM_THREADS=%s\n", at::get_num_threads(), blas_env ? blas_env : "(unset)");
+  if (!blas_env || std::strcmp(blas_env, "1") != 0)
+    std::printf("warning: OPENBLAS_NUM_THREADS is not 1: OpenBLAS's own threads spin while stagejit's "
+                "engine threads wait, which on a small machine slows the stagejit modes many times "
+                "over; run with OPENBLAS_NUM_THREADS=1\n");
+
+  const at::ScalarType dtype = dtype_name == "double" ? at::kDouble : at::kFloat;
+  const ReferenceSolution ref = reference_solution();
+  const TrainingData data = make_training_data(ref, 100, n_f, seed + 1).to(dtype);
+  const Params params = xavier_init(paper_layers(), seed, dtype);
+
+  const Mode modes[] = {Mode::Compiled, Mode::CompileLoss, Mode::Eager, Mode::Libtorch};
+  const char* labels[] = {"staged compiled (net, 3 derivatives)", "compile-loss (1 derivative)",
+                          "stagejit eager", "libtorch eager"};
+  constexpr std::size_t kModes = 4;
+  std::vector<std::unique_ptr<Stepper>> steppers;
+  for (Mode m : modes) steppers.push_back(std::make_unique<Stepper>(m, data));
+
+  std::printf("Burgers PINN step (loss + gradients of %zu parameter tensors), network 2-20x8-1 tanh, "
+              "N_u %lld, N_f %lld, %s; median of %d rounds after %d warm-up rounds\n",
+              params.size(), (long long)data.x_u.size(0), (long long)n_f, dtype_name.c_str(), rounds, warmup);
+
+  // First round: the first call of each compiled mode (trace + compile), and the check.
+  Params grads[kModes];
+  at::Tensor loss[kModes];
+  double first_ms[kModes];
+  for (std::size_t m = 0; m < kModes; ++m)
+    first_ms[m] = sj::bench::once_ms([&] { loss[m] = steppers[m]->step(params, grads[m]); });
+  std::printf("  first call (trace + compile): staged compiled %.0f ms, compile-loss %.0f ms\n", first_ms[0],
+              first_ms[1]);
+  double worst = 0;
+  for (std::size_t m = 0; m + 1 < kModes; ++m) {
+    const double d = max_rel_diff(loss[m], grads[m], loss[3], grads[3]);
+    worst = std::max(worst, d);
+    std::printf("  %-38s loss %.8e, max relative difference to libtorch (loss, gradients) %.2e\n",
+                labels[m], loss[m].item<double>(), d);
+  }
+
+  std::vector<double> times[kModes];
+  for (int r = 0; r < warmup + rounds; ++r)
+    for (std::size_t k = 0; k < kModes; ++k) {
+      const std::size_t m = (k + std::size_t(r)) % kModes;
+      Params g;
+      const double ms = sj::bench::once_ms([&] { (void)steppers[m]->step(params, g); });
+      if (r >= warmup) times[m].push_back(ms);
+    }
+  double median[kModes];
+  for (std::size_t m = 0; m < kModes; ++m) {
+    auto& t = times[m];
+    std::nth_element(t.begin(), t.begin() + std::ptrdiff_t(t.size() / 2), t.end());
+    median[m] = t[t.size() / 2];
+  }
+
+  // Untimed profiled round: RecordFunction callbacks add a little to every ATen op, so
+  // the step's total here is longer than in the timed rounds; the share is taken of it.
+  double gemm_ms[kModes], gemm_sum_ms[kModes], profiled_ms[kModes];
+  int64_t gemm_calls[kModes];
+  {
+    g_detail = gemm_detail;
+    auto handle = at::addGlobalCallback(at::RecordFunctionCallback(gemm_start, gemm_end).needsInputs(gemm_detail));
+    for (std::size_t m = 0; m < kModes; ++m) {
+      Params g;
+      g_gemm_ns = 0;
+      g_gemm_calls = 0;
+      g_busy_ns = 0;
+      g_detail_ns.clear();
+      profiled_ms[m] = sj::bench::once_ms([&] { (void)steppers[m]->step(params, g); });
+      gemm_ms[m] = double(g_busy_ns) * 1e-6;
+      gemm_sum_ms[m] = double(g_gemm_ns.load()) * 1e-6;
+      gemm_calls[m] = g_gemm_calls.load();
+      if (gemm_detail) {
+        std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> rows(g_detail_ns.begin(), g_detail_ns.end());
+        std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+        std::printf("  products of %s (profiled round), by time:\n", labels[m]);
+        for (const auto& [key, v] : rows)
+          std::printf("    %8.3f ms %4lld x  %s\n", double(v.first) * 1e-6, (long long)v.second, key.c_str());
+      }
+    }
+    at::removeCallback(handle);
+  }
+
+  std::printf("                                                time       vs libtorch   GEMM wall time (profiled round)  "
+              "summed over threads\n");
+  for (std::size_t m = 0; m < kModes; ++m)
+    std::printf("  %-38s %9.2f ms   %6.2fx      %6.2f ms of %6.2f ms = %4.1f%%   %6.2f ms in %lld products\n",
+                labels[m], median[m], median[3] / median[m], gemm_ms[m], profiled_ms[m],
+                100 * gemm_ms[m] / profiled_ms[m], gemm_sum_ms[m], (long long)gemm_calls[m]);
+  std::printf("  GEMM share of the staged compiled step: %.1f%% (the floor no compiler of this step removes)\n",
+              100 * gemm_ms[0] / profiled_ms[0]);
+  const double tol = dtype == at::kFloat ? 1e-5 : 1e-10;
+  std::printf("  check against libtorch (first round, max relative difference %.2e <= %.0e): %s\n", worst, tol,
+              worst <= tol ? "passed" : "FAILED");
+  return worst <= tol ? 0 : 1;
+}
