@@ -13,7 +13,8 @@
 // round runs every mode once, the order rotating by one every round, so drifts of the
 // machine shift every mode alike. The first round's losses and gradients are checked
 // against libtorch's. A separate, untimed round with ATen RecordFunction callbacks
-// measures the time spent in matrix products (aten::mm, addmm, bmm, matmul; outermost
+// measures the time spent in matrix products (aten::mm, addmm, bmm, matmul, and
+// stagejit::small_mm, the LIBXSMM products of ops/small_gemm.hpp; outermost
 // call only): the floor no compiler of this step removes.
 //
 // Options: --dtype float|double (default float), --collocation N (default 10 000),
@@ -23,6 +24,8 @@
 
 #include <ATen/record_function.h>
 #include <CLI/CLI.hpp>
+
+#include <malloc.h>
 
 #include <atomic>
 #include <map>
@@ -85,7 +88,7 @@ std::string shapes_of(const at::RecordFunction& fn) {
 }
 
 bool is_gemm(const char* name) {
-  for (const char* g : {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul"})
+  for (const char* g : {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "stagejit::small_mm"})
     if (std::strcmp(name, g) == 0) return true;
   return false;
 }
@@ -148,6 +151,10 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "Seeds the weights and the points")->capture_default_str();
   app.add_flag("--gemm-detail", gemm_detail, "In the profiled round, list each mode's products by "
                "operand shapes (time, count)");
+  bool level_field = false;
+  app.add_flag("--level-field", level_field,
+               "glibc keeps freed memory in the heap (mallopt, as bench/closure's level field), so "
+               "no mode pays page faults for fresh blocks: libtorch's time stops being bimodal");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -158,7 +165,12 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  if (level_field && (mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 || mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1)) {
+    std::fprintf(stderr, "error: mallopt refused the level-field settings\n");
+    return 2;
+  }
   at::set_num_threads(1);
+  if (level_field) std::printf("level field: freed memory stays in glibc's heap (no page faults for anyone)\n");
   const char* blas_env = std::getenv("OPENBLAS_NUM_THREADS");
   std::printf("ATen threads %d; OPENBLAS_NUM_THREADS=%s\n", at::get_num_threads(), blas_env ? blas_env : "(unset)");
   if (!blas_env || std::strcmp(blas_env, "1") != 0)
