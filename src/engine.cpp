@@ -22,7 +22,6 @@
 #include <stagejit/ops/ops.hpp>
 
 #include <c10/util/Exception.h>
-#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -173,43 +172,40 @@ void gather(GraphTask& task, uint32_t idx) {
   }
 }
 
-// Which outputs of the Function being applied on this thread its task needs
-// (engine::should_compute_output); null outside an engine call.
-using NeededOutputs = c10::SmallVector<char, 16>;
-thread_local const NeededOutputs* tl_needed_outputs = nullptr;
+// The Function the engine is applying on this thread and its graph task, for
+// engine::should_compute_output (null outside an engine call). The answer is computed
+// on demand: most Functions never ask.
+struct Applying {
+  const GraphTask* task = nullptr;
+  const Function* fn = nullptr;
+};
+thread_local Applying tl_applying;
 
-struct NeededOutputsGuard {
-  explicit NeededOutputsGuard(const NeededOutputs* needed) : saved(tl_needed_outputs) {
-    tl_needed_outputs = needed;
+struct ApplyingGuard {
+  ApplyingGuard(const GraphTask& task, const Function& fn) : saved(tl_applying) {
+    tl_applying = {&task, &fn};
   }
-  ~NeededOutputsGuard() { tl_needed_outputs = saved; }
-  const NeededOutputs* saved;
+  ~ApplyingGuard() { tl_applying = saved; }
+  Applying saved;
 };
 
-// Which of `fn`'s outputs lead somewhere the task needs: with no capture list every
+// Whether output `i` of `fn` leads somewhere `task` needs: with no capture list every
 // function of the task runs, so a valid edge is needed. The node records' flags are
 // fixed once the task is built, so this reads them without the task's lock.
-void needed_outputs(const GraphTask& task, const Function& fn, NeededOutputs& needed) {
-  needed.assign(fn.next_functions.size(), 0);
-  for (std::size_t i = 0; i < needed.size(); ++i) {
-    const Edge& e = fn.next_functions[i];
-    if (!e.is_valid()) continue;
-    if (task.capture_of.empty()) {
-      needed[i] = 1;
-      continue;
-    }
-    auto it = task.index.find(e.function.get());
-    if (it == task.index.end()) continue;
-    const Node& t = task.nodes[it->second];
-    needed[i] = t.needed || t.captured;
-  }
+bool output_needed(const GraphTask& task, const Function& fn, std::size_t i) {
+  if (i >= fn.next_functions.size()) return false;
+  const Edge& e = fn.next_functions[i];
+  if (!e.is_valid()) return false;
+  if (task.capture_of.empty()) return true;
+  auto it = task.index.find(e.function.get());
+  if (it == task.index.end()) return false;
+  const Node& t = task.nodes[it->second];
+  return t.needed || t.captured;
 }
 
 variable_list call_function(GraphTask& task, Function& fn, variable_list inputs) {
   const std::size_t n = fn.next_functions.size();
-  NeededOutputs needed;
-  needed_outputs(task, fn, needed);
-  NeededOutputsGuard needed_guard(&needed);
+  ApplyingGuard applying(task, fn);
   fusion::HostCacheScope host_cache(task.cache_host_memory);
   const ExecuteCallbacks* cbs = task.callbacks;
   if (cbs && !cbs->pre.empty()) {
@@ -476,8 +472,12 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
 
 namespace engine {
 bool should_compute_output(std::size_t i) noexcept {
-  const NeededOutputs* needed = tl_needed_outputs;
-  return !needed || (i < needed->size() && (*needed)[i]);
+  const Applying a = tl_applying;
+  return !a.fn || output_needed(*a.task, *a.fn, i);
+}
+bool should_compute_output(const Function& self, std::size_t i) noexcept {
+  const Applying a = tl_applying;
+  return a.fn != &self || output_needed(*a.task, self, i);
 }
 int num_threads() noexcept { return Pool::get().num_threads(); }
 void set_num_threads(int n) { Pool::get().set_num_threads(n); }

@@ -200,7 +200,7 @@ variable_list apply_op_backward(Function& self, OpBackward& ob, variable_list& g
   for (std::size_t i = 0; i < outputs.size(); ++i) outputs[i] = ob.saved_outputs[i].unpack(me);
   uint64_t mask = 0;
   for (std::size_t i = 0; i < n && i < 64; ++i)
-    if (self.next_functions[i].is_valid() && engine::should_compute_output(i))
+    if (self.next_functions[i].is_valid() && engine::should_compute_output(self, i))
       mask |= (uint64_t{1} << i);
   BackwardArgs args{ob.attrs, inputs, outputs, grads, ob.input_meta, mask};
   variable_list res = ob.op->backward(args);
@@ -323,7 +323,10 @@ variable_list Function::apply(variable_list inputs) {
           },
           [&](ClosureFunction& c) -> variable_list {
             STAGEJIT_CHECK(c.impl, "ClosureFunction without an implementation");
-            return c.impl->apply(std::move(inputs));
+            std::vector<char> needed(next_functions.size());
+            for (std::size_t i = 0; i < needed.size(); ++i)
+              needed[i] = engine::should_compute_output(*this, i);
+            return c.impl->apply(std::move(inputs), needed);
           },
       },
       kind);

@@ -432,8 +432,9 @@ std::vector<OpDef> build_table() {
        "",
        [](const Tensors& in, const Attributes& a) {
          const double beta = attr_double(a, "beta", 1), alpha = attr_double(a, "alpha", 1);
-         if (auto p = ops::small_mm(in[1], in[2]); p && at::is_expandable_to(in[0].sizes(), p->sizes()) &&
-                                                   in[0].scalar_type() == p->scalar_type()) {
+         // alpha = 0: ATen does not read the matrices (BLAS's contract): no fast path.
+         if (auto p = alpha == 0 ? std::nullopt : ops::small_mm(in[1], in[2]);
+             p && at::is_expandable_to(in[0].sizes(), p->sizes()) && in[0].scalar_type() == p->scalar_type()) {
            // beta * self + alpha * product, in place on the fresh product.
            if (alpha != 1) p->mul_(alpha);
            if (beta == 0) return one(*p);  // as ATen: self is ignored, NaN and all

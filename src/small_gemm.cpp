@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -83,7 +84,11 @@ bool thin_product(const at::Tensor& a, const at::Tensor& b) {
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   const bool tall = M >= kLarge && K <= kSmall && N <= kSmall;
   const bool reduction = !tall && K >= kLarge && M <= kSmall && N <= kSmall;
-  return (tall || reduction) && as_column_major_transpose(a).ok && as_column_major_transpose(b).ok;
+  const Operand A = as_column_major_transpose(a), B = as_column_major_transpose(b);
+  // LIBXSMM takes int sizes and leading dimensions.
+  const int64_t limit = INT32_MAX;
+  return (tall || reduction) && A.ok && B.ok && A.ld <= limit && B.ld <= limit && M <= limit &&
+         K <= limit && N <= limit;
 }
 
 template <class T>
@@ -165,7 +170,9 @@ bool small_mm_enabled() noexcept {
 std::optional<at::Tensor> small_mm(const at::Tensor& a, const at::Tensor& b) {
 #if defined(STAGEJIT_HAVE_LIBXSMM)
   if (!enabled_by_environment()) return std::nullopt;
-  if (!a.defined() || !b.defined() || a.dim() != 2 || b.dim() != 2 || !a.device().is_cpu() ||
+  if (!a.defined() || !b.defined() || a.layout() != at::kStrided || b.layout() != at::kStrided ||
+      !a.has_storage() || !b.has_storage() || a._is_zerotensor() || b._is_zerotensor() ||
+      a.dim() != 2 || b.dim() != 2 || !a.device().is_cpu() ||
       !b.device().is_cpu() || a.scalar_type() != b.scalar_type() || a.size(1) != b.size(0) ||
       a.requires_grad() || b.requires_grad() || a.is_conj() || b.is_conj() || a.is_neg() || b.is_neg())
     return std::nullopt;

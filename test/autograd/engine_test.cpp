@@ -1,6 +1,8 @@
 // The engine: graph shapes, callbacks, errors, reentrancy, concurrency, determinism.
 #include "oracle.hpp"
 
+#include <ATen/record_function.h>
+
 #include <atomic>
 #include <thread>
 
@@ -301,14 +303,26 @@ namespace {
 // (engine::should_compute_output, libtorch's needs_input_grad inside a backward).
 struct RecordingMul : sj::HostFunction<RecordingMul> {
   static inline std::vector<bool> seen;
+  static inline int calls = 0;
   static sj::Variable forward(sj::HostContext* ctx, sj::Variable x, sj::Variable y) {
     ctx->save_for_backward({x, y});
     return sj::Variable(x.data() * y.data());
   }
   static sj::variable_list backward(sj::HostContext* ctx, sj::variable_list grads) {
+    ++calls;
     seen = {sj::engine::should_compute_output(0), sj::engine::should_compute_output(1)};
     auto s = ctx->get_saved_variables();
     return {grads[0] * s[1], grads[0] * s[0]};
+  }
+};
+// y = 2 a, whose backward applies another Function (`fn`) by hand and keeps its result.
+struct ApplyInside : sj::HostFunction<ApplyInside> {
+  static inline sj::variable_list inner;
+  static inline std::shared_ptr<sj::Function> fn;
+  static sj::Variable forward(sj::HostContext*, sj::Variable a) { return sj::Variable(a.data() * 2); }
+  static sj::variable_list backward(sj::HostContext*, sj::variable_list grads) {
+    inner = fn->apply({sj::Variable(at::ones({1, 2}, at::kDouble))});
+    return {grads[0] * 2};
   }
 };
 }  // namespace
@@ -318,22 +332,58 @@ TEST_SUITE("autograd") {
 TEST_CASE("engine::should_compute_output: only the gradients that lead to a requested input") {
   sj::Variable x(at::randn({3}, at::kDouble), true), y(at::randn({3}, at::kDouble), true);
   auto z = sj::sum(RecordingMul::apply(x, y));
-  sj::grad({z}, {x});
-  CHECK(RecordingMul::seen == std::vector<bool>{true, false});
-  sj::grad({z}, {y});
-  CHECK(RecordingMul::seen == std::vector<bool>{false, true});
-  sj::grad({z}, {x, y});
-  CHECK(RecordingMul::seen == std::vector<bool>{true, true});
-  sj::backward({z});
-  CHECK(RecordingMul::seen == std::vector<bool>{true, true});
+  auto check = [&](auto&& run, std::vector<bool> expected) {
+    RecordingMul::seen.clear();
+    const int before = RecordingMul::calls;
+    run();
+    CHECK(RecordingMul::calls == before + 1);
+    CHECK(RecordingMul::seen == expected);
+  };
+  check([&] { sj::grad({z}, {x}); }, {true, false});
+  check([&] { sj::grad({z}, {y}); }, {false, true});
+  check([&] { sj::grad({z}, {x, y}); }, {true, true});
+  check([&] { sj::backward({z}); }, {true, true});
   // Outside an engine call every output counts as needed.
   CHECK(sj::engine::should_compute_output(0));
   CHECK(sj::engine::should_compute_output(7));
-  // An eager op's backward skips the gradient nobody asked for (mm: no weight gradient).
+
+  // An eager op's backward skips the gradient nobody asked for: mm's backward makes one
+  // product (the input's gradient), not two.
   sj::Variable w(at::randn({3, 2}, at::kDouble), true);
   auto out = sj::sum(sj::mm(sj::reshape(x, {1, 3}), w));
+  static std::atomic<int> products{0};
+  auto handle = at::addGlobalCallback(at::RecordFunctionCallback(
+      [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+        const std::string_view name = fn.name();
+        if (name == "aten::mm" || name == "stagejit::small_mm") ++products;
+        return nullptr;
+      }));
+  products = 0;
   auto gx = sj::grad({out}, {x})[0];
+  const int with_x_only = products.load();
+  products = 0;
+  sj::grad({out}, {x, w});
+  const int with_both = products.load();
+  at::removeCallback(handle);
+  CHECK(with_x_only == 1);
+  CHECK(with_both == 2);
   CHECK(at::allclose(gx.data(), w.data().sum(1)));
+}
+
+TEST_CASE("should_compute_output(self): a Function applied by hand inside another computes everything") {
+  // A host function whose backward applies another Function (mm's backward) directly:
+  // the engine's mask belongs to the host function, not to the Function applied inside.
+  sj::Variable a(at::randn({1, 3}, at::kDouble), true), w(at::randn({3, 2}, at::kDouble), true);
+  ApplyInside::fn = sj::mm(a, w).grad_fn();
+  sj::Variable p(at::randn({4}, at::kDouble), true), q(at::randn({4}, at::kDouble), true);
+  auto z = sj::sum(ApplyInside::apply(p) * q);
+  sj::grad({z}, {q});  // the host function's own output is not needed here
+  sj::grad({z}, {p});
+  REQUIRE(ApplyInside::inner.size() == 2);
+  CHECK(ApplyInside::inner[0].defined());
+  CHECK(ApplyInside::inner[1].defined());
+  ApplyInside::fn.reset();
+  ApplyInside::inner.clear();
 }
 
 }  // TEST_SUITE

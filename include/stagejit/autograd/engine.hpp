@@ -16,6 +16,8 @@
 
 namespace stagejit {
 
+struct Function;
+
 struct ExecuteOptions {
   /// Grad mode while functions run (record the backward's own graph).
   bool create_graph = false;
@@ -44,13 +46,17 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
                       const ExecuteCallbacks& callbacks = {});
 
 namespace engine {
-/// While the engine applies a Function on this thread: true when that Function's output
-/// `i` is needed by the running graph task — its edge is valid and leads to a Function
-/// that runs or to an input whose gradient `grad` captures (libtorch's
-/// `task_should_compute_output`, from its `exec_info`). Backward formulas and compiled
-/// stages skip the gradients that are not (closure/specialize.hpp). Outside an engine
-/// call (a Function applied directly) every output is needed: true.
+/// While the engine applies a Function on this thread (e.g. inside a HostFunction's
+/// `backward`): true when that Function's output `i` is needed by the running graph task
+/// — its edge is valid and leads to a Function that runs or to an input whose gradient
+/// `grad` captures (libtorch's `task_should_compute_output`, from its `exec_info`).
+/// Outside an engine call: true.
 bool should_compute_output(std::size_t i) noexcept;
+/// The same for `self`: false only when `self` is the Function the engine is applying on
+/// this thread and its output `i` is not needed, so a Function applied by hand inside
+/// another one computes everything. Backward formulas and compiled stages use this form
+/// to skip the gradients nobody asked for (closure/specialize.hpp).
+bool should_compute_output(const Function& self, std::size_t i) noexcept;
 /// Number of threads that may run one graph task (the caller plus workers).
 /// Initially STAGEJIT_NUM_THREADS, else the core count.
 int num_threads() noexcept;

@@ -91,6 +91,12 @@ class ClosureImpl {
  public:
   virtual ~ClosureImpl() = default;
   virtual variable_list apply(variable_list inputs) = 0;
+  /// Applied as a Function: `needed[i]` says whether output i is needed by the running
+  /// backward (engine::should_compute_output). By default every output is computed.
+  virtual variable_list apply(variable_list inputs, const std::vector<char>& needed) {
+    (void)needed;
+    return apply(std::move(inputs));
+  }
   virtual std::string_view name() const = 0;
 };
 struct ClosureFunction { std::shared_ptr<ClosureImpl> impl; };

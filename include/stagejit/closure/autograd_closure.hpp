@@ -107,8 +107,8 @@ struct MultiStageClosure {
     std::shared_ptr<const StageVariant> built;
     try {
       built = build_stage_variant(*graph, plan, stages.at(key.stage).prev_slots, key);
-    } catch (const Error&) {
-      built = nullptr;  // the full stage serves this key
+    } catch (...) {
+      built = nullptr;  // the full stage serves this key (correct, only slower)
     }
     std::lock_guard<std::mutex> lock(variants_mutex_);
     auto [it, inserted] = variants_.emplace(key, built);
@@ -194,7 +194,8 @@ class StageCall final : public ClosureImpl {
       for (std::size_t i = 0; i < full_prev.size(); ++i)
         key.defined_inputs[inputs.size() + i] = prev_defined(full_prev[i]);
       key.needed_outputs = needed ? *needed : std::vector<char>(d.plan.stage_outputs(stage_).size(), 1);
-      key.captures = captures;
+      // A stage that captures nothing (the last one) is the same with or without.
+      key.captures = captures || d.plan.captures(stage_).empty();
       chosen = &d.closure_for(key);
     }
     const StageClosure& sc = *chosen;
@@ -211,7 +212,7 @@ class StageCall final : public ClosureImpl {
         // Undefined gradient: zeros of the traced shape.
         STAGEJIT_CHECK(type, "compiled stage ", stage_, ": input ", i, " is undefined and its "
                        "traced type is unknown");
-        leaves.emplace_back(at::zeros(type->sizes, at::TensorOptions().dtype(type->dtype)));
+        leaves.emplace_back(at::zeros(type->sizes, at::TensorOptions().dtype(type->dtype).device(type->device)));
         continue;
       }
       if (type && stage_ > 0) {
@@ -269,15 +270,17 @@ class StageCall final : public ClosureImpl {
   /// Runs the stage on `inputs` (see `run`) and links its outputs to the next stage as
   /// described in the file comment.
   variable_list apply(variable_list inputs) override {
+    return apply(std::move(inputs), std::vector<char>(desc_->plan.stage_outputs(stage_).size(), 1));
+  }
+
+  /// As `apply`, computing only the outputs marked in `needed` (one per stage output; the
+  /// engine's mask when the call is applied as a Function: the others come back
+  /// undefined), and capturing for later stages only when one can follow (grad mode).
+  variable_list apply(variable_list inputs, const std::vector<char>& needed_mask) override {
     const auto& d = *desc_;
     CallState state;
-    // What this call needs: the outputs the running backward uses, and captures only
-    // when a later stage can follow. A stage k >= 1 call is the grad_fn the engine
-    // applies; stage 0 is called by CompiledFunction (possibly from inside a Function
-    // the engine runs, whose mask is not ours): all of its outputs are needed.
-    std::vector<char> needed(d.plan.stage_outputs(stage_).size(), 1);
-    if (stage_ > 0)
-      for (std::size_t i = 0; i < needed.size(); ++i) needed[i] = engine::should_compute_output(i);
+    std::vector<char> needed = needed_mask;
+    needed.resize(d.plan.stage_outputs(stage_).size(), 1);
     const bool captures = !d.linked() || (GradMode::is_enabled() && stage_ + 1 < d.num_stages());
     run(inputs, state, &needed, captures);
     variable_list outs = std::move(state.outputs);

@@ -7,10 +7,11 @@
 /// Note [Symbolic zeros]
 /// A *zero* value is known to be all zeros without being computed (an undefined
 /// incoming gradient). Walking one stage's nodes in order, a node reading a zero:
-/// - linear in that input (mul, mm/matmul, div's numerator, neg, sum, mean, expand,
+/// - linear in that input (mul, mm/matmul, div's numerator, neg, sum, expand,
 ///   reshape, view, t/transpose, (un)squeeze, sum_to_size, narrow, chunk, to,
 ///   zeros_like, `Transpose`/`Reshape` kinds; cat, where and addmm/`Gemm` when every
-///   input that matters is zero) makes zero outputs, and the node is left to DCE;
+///   input that matters is zero, beta = 0 ignoring C as ATen does) makes zero outputs,
+///   and the node is left to DCE (not `mean`: the mean of an empty tensor is NaN);
 /// - additive (add, sub, rsub, addmm/Gemm with a zero product) becomes the other operand
 ///   (scaled by `alpha`/`beta` through a scalar `mul` when not 1), when its type equals
 ///   the output's (no broadcast hidden in the add); otherwise, as for every other node,
@@ -101,7 +102,8 @@ class ZeroPass {
     if (n->is<ir::Transpose>() || n->is<ir::Reshape>()) return zero_outputs(n);
     if (auto* gemm = n->get_if<ir::Gemm>()) {
       const bool product_zero = is_zero(n->input(0)) || is_zero(n->input(1));
-      if (product_zero && is_zero(n->input(2))) return zero_outputs(n);
+      // beta = 0: the product alone, C ignored (NaN and all), as ATen's addmm.
+      if (product_zero && (is_zero(n->input(2)) || gemm->beta == 0)) return zero_outputs(n);
       if (product_zero) return forward_scaled(n, n->input(2), gemm->beta);
       return materialise_inputs(n);
     }
@@ -125,7 +127,7 @@ class ZeroPass {
     for (std::size_t i = 0; i < k; ++i) all_zero = all_zero && zero(i);
     // Linear in every input (or in the one input they have).
     static constexpr std::string_view linear[] = {
-        "mul", "mm", "matmul", "neg", "sum", "mean", "expand", "reshape", "view", "t",
+        "mul", "mm", "matmul", "neg", "sum", "expand", "reshape", "view", "t",
         "transpose", "unsqueeze", "squeeze", "sum_to_size", "narrow", "chunk", "to",
         "zeros_like"};
     for (std::string_view l : linear)
@@ -149,8 +151,10 @@ class ZeroPass {
     }
     if (name == "addmm") {
       const bool product_zero = zero(1) || zero(2);
-      if (product_zero && zero(0)) return zero_outputs(n);
-      if (product_zero) return forward_scaled(n, n->input(0), attr_double(op, "beta", 1));
+      const double beta = attr_double(op, "beta", 1);
+      // beta = 0: the product alone, self ignored (NaN and all), as ATen's addmm.
+      if (product_zero && (zero(0) || beta == 0)) return zero_outputs(n);
+      if (product_zero) return forward_scaled(n, n->input(0), beta);
     }
     materialise_inputs(n);
   }
