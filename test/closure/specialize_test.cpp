@@ -195,4 +195,41 @@ graph(%a : Double(4), %z : Double(4), %b : Double(4)) {
   CHECK(text.find("tanh(%z)") == std::string::npos);
 }
 
+TEST_CASE("propagate_zeros: an addition that broadcasts, addmm with beta 0, a fusion group") {
+  auto g = sj::ir::parse(R"IR(
+graph(%z : Double(4), %c : Double(1), %m : Double(4, 3), %w : Double(3, 3), %b : Double(4, 3)) {
+  %1 : Double(4) = add(%z, %c);
+  %2 : Double(4, 3) = addmm[beta=0.0](%b, %m, %w);
+  %3 : Double(4, 3) = mul(%2, %b);
+  return (%1, %3);
+}
+)IR");
+  // Mark %m's product zero through %m: addmm with beta = 0 ignores %b (ATen), so %2
+  // and %3 are zeros; the broadcasting add keeps its op and reads a materialised zeros.
+  auto live = sj::passes::propagate_zeros(*g, 0, {g->inputs()[0], g->inputs()[2]});
+  sj::passes::eliminate_dead_code(*g);
+  REQUIRE(live.size() == 1);
+  CHECK(g->outputs()[1] == live[0]);
+  const std::string text = sj::ir::to_string(*g);
+  CHECK(text.find("add(") != std::string::npos);
+  CHECK(text.find("zeros") != std::string::npos);
+  CHECK(g->outputs()[0] != g->inputs()[1]);  // not forwarded: its shape is not %c's
+
+  // A fusion group reading a zero gets a specialised subgraph: t = a * z + b becomes b's
+  // pass-through, s = tanh(a) stays computed.
+  auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+    return {sj::sum(sj::mul(sj::tanh(in[0]), in[1]) * sj::sigmoid(in[0]))};
+  }, {.derivatives = 2});
+  sj::Variable a(at::randn({64}, at::kDouble), true), b(at::randn({64}, at::kDouble), true);
+  auto y = f({a, b})[0];
+  auto ga = sj::grad({y}, {a}, {}, true)[0];
+  auto gg = sj::grad({sj::sum(ga)}, {b})[0];
+  auto ta = a.data().clone().set_requires_grad(true), tb = b.data().clone().set_requires_grad(true);
+  auto ty = (torch::tanh(ta) * tb * torch::sigmoid(ta)).sum();
+  auto tga = torch::autograd::grad({ty}, {ta}, {}, true, true)[0];
+  auto tgg = torch::autograd::grad({tga.sum()}, {tb})[0];
+  CHECK(max_abs_diff(ga.data(), tga) <= 1e-12);
+  CHECK(max_abs_diff(gg.data(), tgg) <= 1e-12);
+}
+
 }  // TEST_SUITE
