@@ -91,15 +91,13 @@ bool thin_product(const at::Tensor& a, const at::Tensor& b) {
          K <= limit && N <= limit;
 }
 
+// `a @ b` for operands `thin_product` accepted.
 template <class T>
 std::optional<at::Tensor> run(const at::Tensor& a, const at::Tensor& b_in) {
   const int64_t M = a.size(0), K = a.size(1), N = b_in.size(1);
-  const bool tall = M >= kLarge && K <= kSmall && N <= kSmall;
-  const bool reduction = !tall && K >= kLarge && M <= kSmall && N <= kSmall;
-  if (!tall && !reduction) return std::nullopt;
+  const bool tall = M >= kLarge && K <= kSmall && N <= kSmall;  // else a reduction
   const Operand A = as_column_major_transpose(a);
   Operand B = as_column_major_transpose(b_in);
-  if (!A.ok || !B.ok) return std::nullopt;
   // LIBXSMM 1.17 generates no kernel reading its first operand transposed: a `b` with
   // dense columns (W^T of a backward) is copied dense (at most 64 x 64 in a tall product;
   // the copy of a reduction's [K, N] costs one pass, far less than the product).
@@ -109,8 +107,6 @@ std::optional<at::Tensor> run(const at::Tensor& a, const at::Tensor& b_in) {
     B = as_column_major_transpose(b);
     if (!B.ok || B.trans) return std::nullopt;
   }
-  // LIBXSMM takes int leading dimensions.
-  if (A.ld > INT32_MAX || B.ld > INT32_MAX || M > INT32_MAX || K > INT32_MAX) return std::nullopt;
   const int flags = (B.trans ? LIBXSMM_GEMM_FLAG_TRANS_A : 0) | (A.trans ? LIBXSMM_GEMM_FLAG_TRANS_B : 0);
   const T* pa = a.data_ptr<T>();
   const T* pb = b.data_ptr<T>();

@@ -307,12 +307,4 @@ inline std::vector<ir::Value*> propagate_zeros(ir::Graph& graph, std::size_t sta
   return live;
 }
 
-/// Materialises zero value `z` (of a tensor type) as a `zeros` op of stage `stage`
-/// placed before `before`. Throws `CompileError` when `z` has no tensor type.
-inline ir::Value* materialise_zero(ir::Graph& graph, ir::Value* z, std::size_t stage,
-                                   ir::Node* before) {
-  detail::ZeroPass pass(graph, stage, nullptr, {});
-  return pass.materialised(z, before);
-}
-
 }  // namespace stagejit::passes
