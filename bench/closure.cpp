@@ -4,7 +4,7 @@
 //    forward + backward (gradients of all six inputs for grad outputs of ones):
 //    stagejit compile() with fusion off and on (and on with inter_op_parallel, and on
 //    without the host memory cache), stagejit eager (the engine's pool runs independent
-//    branches), libtorch eager, and libtorch eager inside a fusion::HostCacheScope (what
+//    branches), libtorch eager, and libtorch eager inside a memory::HostCacheScope (what
 //    the allocator alone would give libtorch); median times (ms) and speed-ups over
 //    libtorch eager, results checked against libtorch. A last row times the step's six
 //    matrix products alone (ATen `mm_out` into preallocated outputs, the same shapes):
@@ -79,7 +79,7 @@ void lstm(int reps, bool level_field) {
 
   const double t_torch = median_ms([&] { torch_step(); }, reps);
   const double t_torch_cached = median_ms([&] {
-    sj::fusion::HostCacheScope scope;
+    sj::memory::HostCacheScope scope;
     torch_step();
   }, reps);
   const double t_eager = median_ms([&] { sj::grad(sj::testing::lstm_cell(in), in, gouts); }, reps);

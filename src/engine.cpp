@@ -18,7 +18,7 @@
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
 #include <stagejit/core/error.hpp>
-#include <stagejit/fusion/host_allocator.hpp>
+#include <stagejit/core/memory/host_allocator.hpp>
 #include <stagejit/ops/ops.hpp>
 
 #include <c10/util/Exception.h>
@@ -68,6 +68,7 @@ struct GraphTask {
   bool cache_host_memory = false;
   TraceHook* hook = nullptr;
   const ExecuteCallbacks* callbacks = nullptr;
+  CallState* call_state = nullptr;
   // capture edges: node index -> list of (input_nr, result slot)
   std::unordered_map<uint32_t, std::vector<std::pair<uint32_t, std::size_t>>> capture_of;
   variable_list captured;
@@ -206,12 +207,12 @@ bool output_needed(const GraphTask& task, const Function& fn, std::size_t i) {
 variable_list call_function(GraphTask& task, Function& fn, variable_list inputs) {
   const std::size_t n = fn.next_functions.size();
   ApplyingGuard applying(task, fn);
-  fusion::HostCacheScope host_cache(task.cache_host_memory);
+  memory::HostCacheScope host_cache(task.cache_host_memory);
   const ExecuteCallbacks* cbs = task.callbacks;
   if (cbs && !cbs->pre.empty()) {
     auto range = cbs->pre.equal_range(&fn);
     for (auto it = range.first; it != range.second; ++it)
-      if (!run_callback(it->second, fn, inputs, nullptr, cbs->state)) return variable_list(n);
+      if (!run_callback(it->second, fn, inputs, nullptr, task.call_state)) return variable_list(n);
   }
   bool has_post = cbs && !cbs->post.empty() && cbs->post.count(&fn) > 0;
   variable_list outputs;
@@ -219,7 +220,7 @@ variable_list call_function(GraphTask& task, Function& fn, variable_list inputs)
     outputs = fn.apply(inputs);
     auto range = cbs->post.equal_range(&fn);
     for (auto it = range.first; it != range.second; ++it)
-      if (!run_callback(it->second, fn, inputs, &outputs, cbs->state)) return variable_list(n);
+      if (!run_callback(it->second, fn, inputs, &outputs, task.call_state)) return variable_list(n);
   } else {
     outputs = fn.apply(std::move(inputs));
   }
@@ -353,7 +354,8 @@ void Pool::work(uint64_t generation) {
 }  // namespace
 
 variable_list execute(const std::vector<Edge>& roots, const variable_list& inputs,
-                      const ExecuteOptions& options, const ExecuteCallbacks& callbacks) {
+                      const ExecuteOptions& options, const ExecuteCallbacks& callbacks,
+                      CallState* state) {
   STAGEJIT_CHECK(roots.size() == inputs.size(), "execute: got ", roots.size(), " roots but ",
                  inputs.size(), " inputs");
   auto task_ptr = std::make_shared<GraphTask>();
@@ -363,7 +365,8 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
   task.single_threaded = options.single_threaded || !Pool::get().has_workers();
   task.cache_host_memory = options.cache_host_memory;
   task.hook = current_trace_hook();
-  task.callbacks = callbacks.empty() && !callbacks.state ? nullptr : &callbacks;
+  task.callbacks = callbacks.empty() ? nullptr : &callbacks;
+  task.call_state = state;
 
   // Discovery (preorder indices) and post-order, iteratively.
   std::vector<uint32_t> post_order;

@@ -1,6 +1,7 @@
 // CPU fusion backend: compile with the system C++ compiler, cache on disk, dlopen, run.
 #include <stagejit/core/error.hpp>
 #include <stagejit/fusion/cpu_backend.hpp>
+#include <stagejit/fusion/detail/build_once.hpp>
 
 #include <ATen/Parallel.h>
 #include <c10/util/hash.h>
@@ -410,30 +411,11 @@ std::shared_ptr<const CpuKernel> CpuBackend::get(const KernelSource& source) {
   STAGEJIT_CHECK_AS(FusionError, source.key.device == DeviceKind::CPU, "the CPU fusion backend was given a ",
                     to_string(source.key.device), " kernel `", source.entry, "`");
   const std::string hash = impl_->hash_of(source);
-  std::promise<std::shared_ptr<const CpuKernel>> promise;
-  std::shared_future<std::shared_ptr<const CpuKernel>> future;
-  bool builder = false;
-  {
-    std::lock_guard<std::mutex> guard(impl_->mutex);
-    auto it = impl_->kernels.find(hash);
-    if (it != impl_->kernels.end()) {
-      ++impl_->memory_hits;
-      future = it->second;
-    } else {
-      future = promise.get_future().share();
-      impl_->kernels.emplace(hash, future);
-      builder = true;
-    }
-  }
-  if (builder) {
-    // Built outside the lock; other threads asking for this hash wait on the future.
-    try {
-      promise.set_value(impl_->load_or_build(source, hash));
-    } catch (...) {
-      promise.set_exception(std::current_exception());
-    }
-  }
-  return future.get();
+  bool hit = false;
+  auto kernel = build_once(impl_->mutex, impl_->kernels, hash,
+                                   [&] { return impl_->load_or_build(source, hash); }, &hit);
+  if (hit) ++impl_->memory_hits;
+  return kernel;
 }
 
 CpuBackend& default_cpu_backend() {

@@ -1,6 +1,7 @@
 // CUDA fusion backend: NVRTC and the driver API, both opened with dlopen at first use.
 #include <stagejit/core/error.hpp>
 #include <stagejit/fusion/cuda_backend.hpp>
+#include <stagejit/fusion/detail/build_once.hpp>
 
 #include <c10/util/hash.h>
 
@@ -450,28 +451,7 @@ std::shared_ptr<const CudaKernel> CudaBackend::get(const KernelSource& source) {
   const std::string hash = c10::sha1(cuda_prelude() + '\x01' + source.source + '\x01' + source.entry + '\x01' +
                                      source.key.to_string() + '\x01' + std::to_string(device))
                                .str();
-  std::promise<std::shared_ptr<const CudaKernel>> promise;
-  std::shared_future<std::shared_ptr<const CudaKernel>> future;
-  bool builder = false;
-  {
-    std::lock_guard<std::mutex> guard(impl_->mutex);
-    auto it = impl_->kernels.find(hash);
-    if (it != impl_->kernels.end()) {
-      future = it->second;
-    } else {
-      future = promise.get_future().share();
-      impl_->kernels.emplace(hash, future);
-      builder = true;
-    }
-  }
-  if (builder) {
-    try {
-      promise.set_value(impl_->build(source, device));
-    } catch (...) {
-      promise.set_exception(std::current_exception());
-    }
-  }
-  return future.get();
+  return build_once(impl_->mutex, impl_->kernels, hash, [&] { return impl_->build(source, device); });
 }
 
 // ------------------------------------------------------------------- CudaBuffer

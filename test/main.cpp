@@ -1,4 +1,23 @@
 // The single doctest main of stagejit's test executable. Suites are selected with
-// `--test-suite=NAME` (one `meson test` entry per suite).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+// `--test-suite=NAME` (one `meson test` entry per suite). With STAGEJIT_TEST_CHILD set,
+// the process is a child spawned by a test and runs that entry instead (test/child.hpp).
+#define DOCTEST_CONFIG_IMPLEMENT
 #include <stagejit/testing/doctest.hpp>
+
+#include "child.hpp"
+
+#include <cstdio>
+
+int main(int argc, char** argv) {
+  if (const char* name = std::getenv(stagejit::testing::child_env)) {
+    const auto& entries = stagejit::testing::child_entries();
+    auto it = entries.find(name);
+    if (it == entries.end()) {
+      std::fprintf(stderr, "stagejit-tests: no child entry '%s'\n", name);
+      return 2;
+    }
+    return it->second();
+  }
+  doctest::Context context(argc, argv);
+  return context.run();
+}

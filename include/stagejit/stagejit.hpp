@@ -1,7 +1,8 @@
 #pragma once
 /// \file
-/// One include for users: everything in API.md. Users write `namespace sj = stagejit;`.
+/// One include for users: everything in docs/api.md. Users write `namespace sj = stagejit;`.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/scalar.hpp>
 #include <stagejit/core/version.hpp>
@@ -33,3 +34,4 @@
 #include <stagejit/fusion/cpu_backend.hpp>
 #include <stagejit/fusion/cuda_backend.hpp>
 #include <stagejit/fusion/codegen.hpp>
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -122,18 +122,55 @@ TEST_SUITE("autograd") {
     auto g = sj::execute({y.gradient_edge()}, {sj::Variable(at::ones({}, at::kDouble))}, opts, cbs);
     CHECK(post_calls == 1);
     CHECK(oracle::max_diff(g[0].data(), at::cos(x.data())) == 0.0);  // exp branch stopped
-    // CaptureValue / CaptureOutputs policies with a CallState.
+    // CaptureInput / CaptureOutputs policies with a CallState.
     sj::CallState state;
     sj::ExecuteCallbacks cbs2;
-    cbs2.pre.emplace(b.grad_fn().get(), sj::CaptureValue{0, 1});
+    cbs2.pre.emplace(b.grad_fn().get(), sj::CaptureInput{0, 1});
     cbs2.pre.emplace(a.grad_fn().get(), sj::CaptureOutputs{});
-    cbs2.state = &state;
-    sj::execute({y.gradient_edge()}, {sj::Variable(at::ones({}, at::kDouble))}, {}, cbs2);
+    sj::execute({y.gradient_edge()}, {sj::Variable(at::ones({}, at::kDouble))}, {}, cbs2, &state);
     REQUIRE(state.values.size() == 2);
     CHECK(oracle::max_diff(state.values[1].data(), at::ones({2}, at::kDouble)) == 0.0);
     CHECK(state.outputs.size() == 1);
-    // The exp branch was stopped; the sin branch (CaptureValue continues) reached x.
+    // The exp branch was stopped; the sin branch (CaptureInput continues) reached x.
     CHECK(oracle::max_diff(x.grad().data(), at::cos(x.data())) == 0.0);
+    // Policies that need a CallState refuse to run without one, naming the Function.
+    CHECK_THROWS_WITH_AS(sj::execute({y.gradient_edge()}, {sj::Variable(at::ones({}, at::kDouble))}, {}, cbs2),
+                         doctest::Contains("needs a CallState"), sj::Error);
+  }
+
+  TEST_CASE("post policies capture outputs and Handles; one table serves concurrent executions") {
+    sj::Variable x(at::tensor({0.5, 1.5}, at::kDouble), true);
+    sj::Variable a = sj::exp(x);
+    sj::Variable y = sj::sum(a * a);
+    // The backward of sum (SumBackward) outputs the incoming gradient expanded; MulBackward
+    // outputs 2a per input. Capture SumBackward's output 0 into slot 2 and, as a Handle,
+    // the grad_fn of MulBackward's outputs (none: the backward runs without create_graph).
+    sj::ExecuteCallbacks cbs;
+    cbs.post.emplace(y.grad_fn().get(), sj::CaptureOutput{0, 2});
+    cbs.post.emplace(y.grad_fn()->next_functions[0].function.get(), sj::CaptureHandle{1});
+    std::vector<std::thread> threads;
+    std::vector<sj::CallState> states(4);
+    for (std::size_t t = 0; t < states.size(); ++t)
+      threads.emplace_back([&, t] {
+        sj::ExecuteOptions opts;
+        opts.capture = {x.gradient_edge()};
+        auto g = sj::execute({y.gradient_edge()}, {sj::Variable(at::full({}, double(t + 1), at::kDouble))},
+                             opts, cbs, &states[t]);
+        CHECK(oracle::max_diff(g[0].data(), 2.0 * double(t + 1) * at::exp(2.0 * x.data())) <= 1e-12);  // |g| up to 161: a few ulp
+      });
+    for (auto& th : threads) th.join();
+    for (std::size_t t = 0; t < states.size(); ++t) {
+      REQUIRE(states[t].values.size() == 3);
+      CHECK(oracle::max_diff(states[t].values[2].data(), at::full({2}, double(t + 1), at::kDouble)) == 0.0);
+      REQUIRE(states[t].handles.size() == 2);
+      CHECK_FALSE(states[t].handles[1]);  // no grad mode: the products made no backward
+    }
+    // A post policy registered as pre is refused with its name.
+    sj::ExecuteCallbacks wrong;
+    wrong.pre.emplace(y.grad_fn().get(), sj::CaptureOutput{0, 0});
+    sj::CallState st;
+    CHECK_THROWS_WITH_AS(sj::execute({y.gradient_edge()}, {sj::Variable(at::ones({}, at::kDouble))}, {}, wrong, &st),
+                         doctest::Contains("CaptureOutput is a post callback"), sj::Error);
   }
 
   TEST_CASE("an exception in a function names it; the engine stays usable") {
@@ -257,9 +294,9 @@ TEST_SUITE("autograd") {
     struct Recorder : sj::TraceHook {
       std::mutex m;
       std::vector<std::string> ops;
-      void record_op(std::string_view op, const sj::Attributes&, const VL&, const VL&) override {
+      void record_op(const sj::OpSchema& op, const sj::Attributes&, const VL&, const VL&) override {
         std::lock_guard<std::mutex> l(m);
-        ops.emplace_back(op);
+        ops.emplace_back(op.name);
       }
       void record_host_op(std::string_view, std::string_view, const std::vector<sj::Scalar>&,
                           const VL&, const VL&, const std::shared_ptr<sj::Function>&,

@@ -47,9 +47,9 @@ struct Recorder : sj::TraceHook {
   std::mutex m;
   std::vector<std::string> events;
   std::vector<std::shared_ptr<sj::Function>> backward_of_outputs;
-  void record_op(std::string_view op, const sj::Attributes&, const VL&, const VL&) override {
+  void record_op(const sj::OpSchema& op, const sj::Attributes&, const VL&, const VL&) override {
     std::lock_guard<std::mutex> l(m);
-    events.push_back("op:" + std::string(op));
+    events.push_back("op:" + std::string(op.name));
   }
   void record_host_op(std::string_view name, std::string_view conv, const std::vector<sj::Scalar>& s,
                       const VL& in, const VL& out, const std::shared_ptr<sj::Function>& bw,

@@ -1,4 +1,4 @@
-// Every op of API.md: forward values and 1st/2nd derivatives (3rd for elementwise ops)
+// Every op of docs/api.md: forward values and 1st/2nd derivatives (3rd for elementwise ops)
 // against libtorch's autograd on the same double inputs, over broadcasting, 0-dim,
 // non-contiguous (transposed, expanded) and empty shapes.
 #include "oracle.hpp"

@@ -286,7 +286,7 @@ TEST_SUITE("closure") {
   }
 
   TEST_CASE("memory: compiled stages reuse large CPU blocks (cache_host_memory), also from 4 threads") {
-    auto& cache = sj::fusion::HostCachingAllocator::get();
+    auto& cache = sj::memory::HostCachingAllocator::get();
     auto body = [](const sj::variable_list& in) -> sj::variable_list {
       return {sj::sum(sj::tanh(sj::mm(in[0], in[1])) * in[0])};
     };
@@ -359,7 +359,7 @@ TEST_SUITE("closure") {
     CHECK(g->num_stages() == 2);
     int tanhs = 0;
     for (auto* n : g->nodes())
-      if (auto* op = n->get_if<sj::ir::Op>(); op && op->name == "tanh") ++tanhs;
+      if (auto* op = n->get_if<sj::ir::Op>(); op && op->id() == sj::OpId::tanh) ++tanhs;
     CHECK(tanhs == 1);
   }
 }

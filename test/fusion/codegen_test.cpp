@@ -230,12 +230,12 @@ TEST_SUITE("fusion") {
   }
 
   TEST_CASE("HostCachingAllocator: freed blocks of 64 KiB or more are reused, small ones are not cached") {
-    auto& alloc = fusion::HostCachingAllocator::get();
+    auto& alloc = stagejit::memory::HostCachingAllocator::get();
     alloc.empty_cache();
     const auto before = alloc.stats();
     void* first = nullptr;
     {
-      at::Tensor t = fusion::empty_cached({1 << 20}, at::kFloat);  // 4 MiB
+      at::Tensor t = stagejit::memory::empty_cached({1 << 20}, at::kFloat);  // 4 MiB
       first = t.data_ptr();
       CHECK(reinterpret_cast<uintptr_t>(first) % 64 == 0);
       t.fill_(2.0f);
@@ -243,14 +243,14 @@ TEST_SUITE("fusion") {
       CHECK(alloc.stats().in_use_bytes >= before.in_use_bytes + (4u << 20));
     }
     CHECK(alloc.stats().cached_bytes >= (4u << 20));
-    at::Tensor again = fusion::empty_cached({1024, 1024}, at::kFloat);  // same byte size
+    at::Tensor again = stagejit::memory::empty_cached({1024, 1024}, at::kFloat);  // same byte size
     CHECK(again.data_ptr() == first);
     CHECK(alloc.stats().hits == before.hits + 1);
     CHECK(again.sizes() == at::IntArrayRef({1024, 1024}));
     CHECK(again.is_contiguous());
     // Small tensors come from c10's allocator: nothing cached for them.
     const auto cached = alloc.stats().cached_bytes;
-    { at::Tensor small = fusion::empty_cached({16}, at::kDouble); }
+    { at::Tensor small = stagejit::memory::empty_cached({16}, at::kDouble); }
     CHECK(alloc.stats().cached_bytes == cached);
     // A capacity below the cached bytes releases them; freed blocks above it are not kept.
     const auto capacity = alloc.capacity();
@@ -264,9 +264,9 @@ TEST_SUITE("fusion") {
   }
 
   TEST_CASE("HostCacheScope routes ATen's large CPU allocations through the cache, only inside the scope") {
-    auto& alloc = fusion::HostCachingAllocator::get();
-    REQUIRE(fusion::install_host_cache());
-    CHECK(fusion::install_host_cache());  // idempotent
+    auto& alloc = stagejit::memory::HostCachingAllocator::get();
+    REQUIRE(stagejit::memory::install_host_cache());
+    CHECK(stagejit::memory::install_host_cache());  // idempotent
     alloc.empty_cache();
     const auto before = alloc.stats();
     // Outside a scope: c10's default allocator, the cache is not involved.
@@ -276,8 +276,8 @@ TEST_SUITE("fusion") {
     void* first = nullptr;
     at::Tensor kept;
     {
-      fusion::HostCacheScope scope;
-      CHECK(fusion::HostCacheScope::active());
+      stagejit::memory::HostCacheScope scope;
+      CHECK(stagejit::memory::HostCacheScope::active());
       {
         at::Tensor t = at::ones({256, 128}, at::kFloat);  // 128 KiB, made by an ATen op
         first = t.data_ptr();
@@ -296,9 +296,9 @@ TEST_SUITE("fusion") {
       void* raw_small = cpu->raw_allocate(64);
       cpu->raw_deallocate(raw_big);
       cpu->raw_deallocate(raw_small);
-      { fusion::HostCacheScope nested(false); CHECK(fusion::HostCacheScope::active()); }
+      { stagejit::memory::HostCacheScope nested(false); CHECK(stagejit::memory::HostCacheScope::active()); }
     }
-    CHECK_FALSE(fusion::HostCacheScope::active());
+    CHECK_FALSE(stagejit::memory::HostCacheScope::active());
     // Growing it outside the scope allocates through the routing allocator, which is
     // outside a scope c10's own: the cache sees no new request.
     const auto misses = alloc.stats().misses;

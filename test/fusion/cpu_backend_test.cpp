@@ -5,6 +5,7 @@
 #include <stagejit/fusion/tensor_args.hpp>
 #include <stagejit/testing/doctest.hpp>
 
+#include "../child.hpp"
 #include "check_close.hpp"
 
 #include "kernels.hpp"
@@ -91,7 +92,7 @@ at::Tensor run3(const CpuKernel& kernel, const at::Tensor& a, const at::Tensor& 
 }
 
 
-/// Runs this test executable's "fusion-child" case in a new process with the cache in
+/// Runs this test executable as the "fusion-cache" child (test/child.hpp) in a new process with the cache in
 /// `dir`; returns what the child wrote: "<compiles> <disk_hits> <ok>".
 std::string run_child(const fs::path& dir) {
   const fs::path out = dir / "child-report.txt";
@@ -100,15 +101,17 @@ std::string run_child(const fs::path& dir) {
   std::vector<std::string> env_strings;
   for (char** e = environ; *e; ++e) {
     const std::string kv = *e;
-    if (kv.rfind("STAGEJIT_FUSION_CACHE_DIR=", 0) != 0 && kv.rfind("STAGEJIT_FUSION_CHILD_REPORT=", 0) != 0)
+    if (kv.rfind("STAGEJIT_FUSION_CACHE_DIR=", 0) != 0 && kv.rfind("STAGEJIT_FUSION_CHILD_REPORT=", 0) != 0 &&
+        kv.rfind(std::string(stagejit::testing::child_env) + "=", 0) != 0)
       env_strings.push_back(kv);
   }
   env_strings.push_back("STAGEJIT_FUSION_CACHE_DIR=" + dir.string());
   env_strings.push_back("STAGEJIT_FUSION_CHILD_REPORT=" + out.string());
+  env_strings.push_back(std::string(stagejit::testing::child_env) + "=fusion-cache");
   std::vector<char*> envp;
   for (auto& kv : env_strings) envp.push_back(kv.data());
   envp.push_back(nullptr);
-  std::vector<std::string> args = {exe, "--test-suite=fusion-child", "--no-intro", "--no-version"};
+  std::vector<std::string> args = {exe};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -126,19 +129,23 @@ std::string run_child(const fs::path& dir) {
 
 }  // namespace
 
-TEST_SUITE("fusion-child") {
-  // Not a suite of its own: the body of the cross-process cache test, run in a child.
-  TEST_CASE("load the tanh/sigmoid kernel through the default backend and report") {
-    const char* report = std::getenv("STAGEJIT_FUSION_CHILD_REPORT");
-    if (!report) return;
-    auto kernel = default_cpu_backend().get(tanh_sigmoid(at::kFloat));
-    at::Tensor a = at::randn({333}), b = at::randn({333}), c = at::randn({333});
-    const at::Tensor got = run3(*kernel, a, b, c), want = eager_tanh_sigmoid(a, b, c);
-    const bool ok = at::allclose(got, want, 1e-6, 1e-6);
-    const auto st = default_cpu_backend().stats();
-    std::ofstream(report) << st.compiles << ' ' << st.disk_hits << ' ' << ok;
-  }
+namespace {
+// The child of the cross-process cache test (a subprocess entry, not a test case):
+// loads the tanh/sigmoid kernel through the default backend and writes
+// "<compiles> <disk_hits> <ok>" to STAGEJIT_FUSION_CHILD_REPORT.
+int fusion_cache_child() {
+  const char* report = std::getenv("STAGEJIT_FUSION_CHILD_REPORT");
+  if (!report) return 2;
+  auto kernel = default_cpu_backend().get(tanh_sigmoid(at::kFloat));
+  at::Tensor a = at::randn({333}), b = at::randn({333}), c = at::randn({333});
+  const at::Tensor got = run3(*kernel, a, b, c), want = eager_tanh_sigmoid(a, b, c);
+  const bool ok = at::allclose(got, want, 1e-6, 1e-6);
+  const auto st = default_cpu_backend().stats();
+  std::ofstream(report) << st.compiles << ' ' << st.disk_hits << ' ' << ok;
+  return 0;
 }
+const stagejit::testing::RegisterChild register_fusion_cache_child("fusion-cache", &fusion_cache_child);
+}  // namespace
 
 TEST_SUITE("fusion") {
   TEST_CASE("KernelKey describes dtype, rank and contiguity of each tensor") {
@@ -433,11 +440,7 @@ extern "C" void mixed(int64_t begin, int64_t end, int32_t rank, const stagejit_T
     if (old) ::setenv("STAGEJIT_FUSION_CACHE_DIR", saved.c_str(), 1);
   }
 
-  TEST_CASE("NVRTC compiles the CUDA version of the kernel to PTX") {
-    if (!nvrtc_available()) {
-      MESSAGE("NVRTC is not available on this machine: skipped");
-      return;
-    }
+  TEST_CASE("NVRTC compiles the CUDA version of the kernel to PTX" * doctest::skip(!nvrtc_available())) {
     MESSAGE("NVRTC " << nvrtc_version());
     for (const std::string t : {"float", "double"}) {
       const std::string entry = "tanh_sigmoid_" + t;
@@ -448,11 +451,9 @@ extern "C" void mixed(int64_t begin, int64_t end, int32_t rank, const stagejit_T
     CHECK_THROWS_WITH_AS(compile_to_ptx(bad), doctest::Contains("undeclared_name"), stagejit::FusionError);
   }
 
-  TEST_CASE("without a GPU the CUDA driver reports unavailable and launches throw") {
-    if (cuda_driver_available()) {
-      MESSAGE("a GPU is present: covered by the gpu suite");
-      return;
-    }
+  // With a GPU present the gpu suite covers the launches.
+  TEST_CASE("without a GPU the CUDA driver reports unavailable and launches throw" *
+            doctest::skip(cuda_driver_available())) {
     CHECK(cuda_device_count() == 0);
     CHECK_THROWS_AS(CudaBuffer(16), stagejit::FusionError);
     KernelSource src{cuda_tanh_sigmoid_source("float", "k"), "k", tanh_sigmoid_key(at::kFloat, DeviceKind::CUDA)};

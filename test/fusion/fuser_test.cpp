@@ -150,8 +150,8 @@ with fusion_group_1 = graph(%0 : Float(3, 5),
         ++groups;
         group = n;
       } else if (auto op = n->get_if<ir::Op>()) {
-        if (op->name == "chunk") ++chunks;
-        else if (stagejit::ops::get(op->name).elementwise) ++outside_elementwise;
+        if (op->id() == stagejit::OpId::chunk) ++chunks;
+        else if (op->schema().elementwise) ++outside_elementwise;
       }
     }
     CHECK(groups == 1);
@@ -176,7 +176,7 @@ with fusion_group_1 = graph(%0 : Float(3, 5),
           CHECK(reason == "");
         } else {
           const auto& op = *n->get_if<ir::Op>();
-          outs = stagejit::ops::run_forward(stagejit::ops::get(op.name), args, stagejit::fusion::to_core_attributes(op));
+          outs = stagejit::ops::run_forward(stagejit::ops::def(op.schema()), args, stagejit::fusion::to_core_attributes(op));
         }
         for (size_t i = 0; i < outs.size(); ++i) env[n->output(i)] = outs[i];
       }

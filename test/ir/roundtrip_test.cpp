@@ -94,7 +94,7 @@ TEST_SUITE("ir") {
     auto& fg = f->nodes()[2]->get<ir::FusionGroup>();
     REQUIRE(fg.subgraph);
     CHECK(fg.subgraph->nodes().size() == 3);
-    CHECK(fg.subgraph->nodes()[2]->get<ir::Op>().name == "Mul");
+    CHECK(fg.subgraph->nodes()[2]->get<ir::Op>().name() == "Mul");
   }
 
   TEST_CASE("parsed constants and attributes hold exactly the written values") {

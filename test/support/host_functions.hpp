@@ -1,5 +1,5 @@
 #pragma once
-// The host functions of the seed's comment example (SPEC.md 2.4, 3.3): MulConstant(c)
+// The host functions of the seed's comment example (docs/seed-system.md §2.4, §3.3): MulConstant(c)
 // and Mul, both with opaque backwards, shared by the trace and closure suites.
 
 #include <stagejit/stagejit.hpp>

@@ -2,7 +2,7 @@
 // The independent oracle for multi-stage results: libtorch's own autograd.
 //
 // `libtorch_stages(fn, inputs, requires_grad, k)` computes, with torch::autograd::grad,
-// exactly what a k-derivative stagejit trace of `fn` returns stage by stage (API.md,
+// exactly what a k-derivative stagejit trace of `fn` returns stage by stage (docs/api.md,
 // Tracing): stage 0 = fn(inputs); stage s >= 1 takes a grad output of ones for every
 // stage s-1 output that requires grad (those grad outputs require grad when s < k) and
 // returns the gradients of every earlier-stage input that requires grad, in input order

@@ -1,15 +1,25 @@
 #pragma once
 /// \file
 /// Callback policies the engine runs before (pre) or after (post) a Function, per
-/// execution. A closed variant; the generic policy type-erases anything else. A pre
-/// callback returning false stops that Function: it is not applied and emits one undefined
-/// output per next_function. Follows the seed's engine callbacks (SPEC.md section 4).
+/// execution (docs/seed-system.md §4). The set is closed: every policy the library needs
+/// is a member of `CallbackPolicy`, run by one exhaustive visitor (`run_callback`), and
+/// `GenericCallback` is the one type-erased escape hatch, for users only (no library code
+/// uses it). A pre callback returning false stops that Function: it is not applied and
+/// emits one undefined output per next_function.
+///
+/// The tables (`ExecuteCallbacks`) are built once (a compiled stage builds them with its
+/// closure) and shared by every call; what one call captures goes into that call's own
+/// `CallState`, passed to `execute` beside the tables. So a call copies nothing and one
+/// table serves several threads at once.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 
+#include <cstddef>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <variant>
 #include <vector>
@@ -20,39 +30,62 @@ namespace stagejit {
 /// Policies lock `mutex`; slots grow on demand.
 struct CallState {
   std::mutex mutex;
-  variable_list values;                               ///< CaptureValue slots
-  std::vector<std::shared_ptr<Function>> handles;     ///< CaptureHandle slots
+  variable_list values;                               ///< value slots (CaptureInput/CaptureOutput)
+  std::vector<std::shared_ptr<Function>> handles;     ///< Handle slots (CaptureHandle/RunHandle)
   variable_list outputs;                              ///< CaptureOutputs
 };
 
-/// pre: stores input `input` into `CallState::values[slot]`; continues.
-struct CaptureValue { std::size_t input = 0; std::size_t slot = 0; };
-/// post: stores the grad_fn of output `output` into `CallState::handles[slot]`; continues.
-struct CaptureHandle { std::size_t output = 0; std::size_t slot = 0; };
-/// post: replaces the outputs by `CallState::handles[slot]` applied to the inputs.
-/// Throws `Error` when the slot holds no handle.
-struct RunHandle { std::size_t slot = 0; };
-/// pre: stores all inputs into `CallState::outputs`; stops the function.
+/// pre: stores input `input` into `CallState::values[slot]`; stops the Function when
+/// `stop` (an Eval's boundary placeholder), else continues.
+struct CaptureInput {
+  std::size_t input = 0;
+  std::size_t slot = 0;
+  bool stop = false;
+};
+/// post: stores output `output` into `CallState::values[slot]` (a value a later stage
+/// reads); continues.
+struct CaptureOutput { std::size_t output = 0; std::size_t slot = 0; };
+/// post: stores into `CallState::handles[slot]` the grad_fn of the first defined output
+/// that has one (the opaque backward a host function made), or null; continues.
+struct CaptureHandle { std::size_t slot = 0; };
+/// post: replaces the outputs by the Handle in `CallState::handles[in_slot]` applied to
+/// the inputs, in grad mode when `makes_handle` (the inputs then require grad, as when
+/// traced), and when `out_slot >= 0` captures the grad_fn of the result as the next
+/// Handle there. One policy, so running a Handle always precedes capturing the next (the
+/// seed relied on multimap order: docs/seed-system.md §6.4). Throws `Error` naming `where` when the
+/// slot holds no Handle or the Handle returns another number than `expected` outputs.
+struct RunHandle {
+  std::size_t in_slot = 0;
+  std::ptrdiff_t out_slot = -1;
+  bool makes_handle = false;
+  std::size_t expected = 0;
+  std::string where;
+};
+/// pre: stores all inputs into `CallState::outputs`; stops the function (a stage's Output).
 struct CaptureOutputs {};
-/// Anything else. `outputs` is null for pre callbacks. Returns false to stop.
+/// Anything else (user code only). `outputs` is null for pre callbacks. Returns false to stop.
 struct GenericCallback {
   std::function<bool(Function& fn, variable_list& inputs, variable_list* outputs,
                      CallState* state)> fn;
 };
 
 using CallbackPolicy =
-    std::variant<CaptureValue, CaptureHandle, RunHandle, CaptureOutputs, GenericCallback>;
+    std::variant<CaptureInput, CaptureOutput, CaptureHandle, RunHandle, CaptureOutputs,
+                 GenericCallback>;
 
-/// The callbacks of one execution, keyed by Function.
+/// The callback tables of an execution, keyed by Function. Built once, read-only while
+/// `execute` runs (any number of executions may share one).
 struct ExecuteCallbacks {
   std::unordered_multimap<const Function*, CallbackPolicy> pre;
   std::unordered_multimap<const Function*, CallbackPolicy> post;
-  CallState* state = nullptr;
   bool empty() const noexcept { return pre.empty() && post.empty(); }
 };
 
-/// Runs one policy. `outputs` null for pre callbacks. Returns false to stop the function.
+/// Runs one policy. `outputs` null for pre callbacks; `state` the call's state (null when
+/// the caller gave none: every policy but GenericCallback then throws `Error`). Returns
+/// false to stop the function.
 bool run_callback(const CallbackPolicy& policy, Function& fn, variable_list& inputs,
                   variable_list* outputs, CallState* state);
 
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

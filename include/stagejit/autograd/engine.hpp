@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// The engine: runs a backward graph from root edges (seed SPEC.md section 4, DESIGN.md
+/// The engine: runs a backward graph from root edges (docs/seed-system.md §4, docs/design.md
 /// "The engine"). Dependencies are counted from the roots; ready functions run on a pool of
 /// worker threads and on the calling thread (a linear chain stays on one thread); a
 /// function that itself calls `execute` (reentrant backward) runs the nested task on its
@@ -9,6 +9,7 @@
 /// (set to `create_graph`) and the calling thread's trace hook are installed on every
 /// thread that runs a function of the task. Compiled in src/engine.cpp.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/callbacks.hpp>
 #include <stagejit/autograd/variable.hpp>
 
@@ -25,9 +26,9 @@ struct ExecuteOptions {
   bool keep_graph = true;
   /// Run everything on the calling thread in a deterministic order (the tracer uses it).
   bool single_threaded = false;
-  /// Run each function inside a `fusion::HostCacheScope`: large CPU tensors it allocates
-  /// come from `fusion::HostCachingAllocator` (compiled stages set this; see
-  /// fusion/host_allocator.hpp).
+  /// Run each function inside a `memory::HostCacheScope`: large CPU tensors it allocates
+  /// come from `memory::HostCachingAllocator` (compiled stages set this; see
+  /// core/memory/host_allocator.hpp).
   bool cache_host_memory = false;
   /// Edges whose incoming gradient `execute` returns (summed), in this order. When
   /// non-empty, only functions on a path to one of them run, and the functions of these
@@ -36,14 +37,16 @@ struct ExecuteOptions {
 };
 
 /// Runs the graph: `inputs[i]` flows into `roots[i]` (null roots are skipped). Returns one
-/// Variable per `options.capture` edge (undefined if nothing reached it).
+/// Variable per `options.capture` edge (undefined if nothing reached it). `callbacks` are
+/// run around the Functions they name (autograd/callbacks.hpp); they write into `state`,
+/// this execution's own (the tables are only read, so executions may share them).
 /// Throws `Error` when no root is valid ("no graph nodes require computing gradients"),
 /// when a function returns the wrong number of outputs, and rethrows (as the same
 /// stagejit::Error subclass, else `Error`) the first exception of any function, prefixed
 /// with "Function 'Name': ". The engine stays usable afterwards.
 variable_list execute(const std::vector<Edge>& roots, const variable_list& inputs,
                       const ExecuteOptions& options = {},
-                      const ExecuteCallbacks& callbacks = {});
+                      const ExecuteCallbacks& callbacks = {}, CallState* state = nullptr);
 
 namespace engine {
 /// While the engine applies a Function on this thread (e.g. inside a HostFunction's
@@ -66,3 +69,4 @@ void set_num_threads(int n);
 }  // namespace engine
 
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

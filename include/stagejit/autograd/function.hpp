@@ -1,13 +1,14 @@
 #pragma once
 /// \file
 /// `Function`: a node of the backward graph (and of compiled closures). Its behaviour is a
-/// closed set of kinds held in a `std::variant` (DESIGN.md, "Types dispatched through
+/// closed set of kinds held in a `std::variant` (docs/design.md, "Types dispatched through
 /// variants"); `next_functions` are its outgoing edges. Eager kinds: AccumulateGrad,
 /// OpBackward, HostBackward, Eval (+ EvalOutput), Error. Closure kinds (filled by the
-/// closure compiler; seed SPEC.md 3.2): Replicate, InputPlaceholder, PrevStageInput,
-/// EvalPlaceholder, Output, SimpleEval, EmitNull, Lambda, HostCall, WrapConstant,
+/// closure compiler; docs/seed-system.md §3.2): Replicate, InputPlaceholder, PrevStageInput,
+/// EvalPlaceholder, Output, SimpleEval, EmitNull, OpCall, AtenCall, HostCall, WrapConstant,
 /// ConstantFactory, FusedKernel and ClosureFunction (type-erased closure).
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/saved_variable.hpp>
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/core/scalar.hpp>
@@ -49,7 +50,7 @@ struct ErrorFunction { std::string message; };
 /// A placeholder at the boundary of an Eval's subgraph, standing for `next_edge`. Its
 /// input is captured by the Eval's pre-callback; it has no next_functions.
 struct EvalOutput { Edge next_edge; };
-/// Runs a detached autograd subgraph as one Function (seed SPEC.md 2.3): `roots` are the
+/// Runs a detached autograd subgraph as one Function (docs/seed-system.md §2.3): `roots` are the
 /// subgraph's output-side edges, `placeholders` the EvalOutput functions in the order of
 /// this Function's next_functions. See `autograd/eval.hpp`.
 struct Eval {
@@ -57,7 +58,7 @@ struct Eval {
   std::vector<std::shared_ptr<Function>> placeholders;
 };
 
-// Closure kinds (seed SPEC.md 3.2). They are filled by the closure compiler.
+// Closure kinds (docs/seed-system.md §3.2). They are filled by the closure compiler.
 /// Returns its one input once per next_function.
 struct Replicate {};
 /// Identity; root of a stage input.
@@ -72,10 +73,17 @@ struct Output {};
 struct SimpleEval { std::shared_ptr<Function> fn; };
 /// Returns one undefined Variable.
 struct EmitNull {};
-/// Runs one table op (`op` + `attrs`) or, when `op` is null, `fn`.
-struct Lambda {
+/// Runs one table op on its inputs (an IR `Op` node). A nullary op (`zeros`) is
+/// triggered by the ConstantFactory like a constant: it takes that one undefined input
+/// and calls the op without inputs.
+struct OpCall {
   const OpDef* op = nullptr;
   Attributes attrs;
+};
+/// Runs an ATen computation that is not a table op (IR Transpose / Reshape / Gemm nodes:
+/// their meaning is in ops/node_semantics.hpp). `name` is the node kind's name.
+struct AtenCall {
+  std::string_view name;
   std::function<variable_list(const variable_list&)> fn;
 };
 /// Calls a host function (HostOp node) as a unit.
@@ -104,7 +112,7 @@ struct ClosureFunction { std::shared_ptr<ClosureImpl> impl; };
 using FunctionKind =
     std::variant<AccumulateGrad, OpBackward, HostBackward, ErrorFunction, Eval, EvalOutput,
                  Replicate, InputPlaceholder, PrevStageInput, EvalPlaceholder, Output,
-                 SimpleEval, EmitNull, Lambda, HostCall, WrapConstant, ConstantFactory,
+                 SimpleEval, EmitNull, OpCall, AtenCall, HostCall, WrapConstant, ConstantFactory,
                  FusedKernel, ClosureFunction>;
 
 /// A node of the backward graph. Apply it with `apply` (the engine does).
@@ -141,3 +149,4 @@ inline std::shared_ptr<Function> make_function(FunctionKind k, std::vector<Edge>
 }
 
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// Host functions: user C++ ops whose forward runs as a unit and whose backward is a user
-/// function on Variables (API.md "Host functions"; modelled on libtorch's
+/// function on Variables (docs/api.md "Host functions"; modelled on libtorch's
 /// `torch::autograd::Function<T>`, the seed's PythonOp).
 ///
 /// ```cpp
@@ -18,6 +18,7 @@
 /// backward is opaque again. Errors: a backward returning the wrong number of gradients
 /// (`Error`) or a gradient of the wrong shape (`ShapeError`), both naming the function.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/autograd/saved_variable.hpp>
@@ -202,3 +203,4 @@ struct HostFunction {
 };
 
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

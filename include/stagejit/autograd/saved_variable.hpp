@@ -5,6 +5,7 @@
 /// the grad_fn does not own itself (no reference cycle); `unpack(owner)` rebuilds it with
 /// edge (owner, output_nr). Follows libtorch's SavedVariable.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 
 #include <memory>
@@ -33,3 +34,4 @@ class SavedVariable {
 };
 
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -5,7 +5,9 @@
 /// thread-local, and the engine propagates the hook of the thread calling `execute` to
 /// every thread running that graph task, so ops of backward formulas are reported too.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
+#include <stagejit/ops/op_schema.hpp>
 #include <stagejit/core/scalar.hpp>
 
 #include <functional>
@@ -25,7 +27,7 @@ class TraceHook {
   virtual ~TraceHook() = default;
   /// Every table op, whatever the grad mode, after it ran (also ops inside backward
   /// formulas). `attrs` are the op's attributes as recorded in the IR.
-  virtual void record_op(std::string_view op, const Attributes& attrs,
+  virtual void record_op(const OpSchema& op, const Attributes& attrs,
                          const variable_list& inputs, const variable_list& outputs) = 0;
   /// A non-traceable HostFunction ran as a unit (its inner ops are not reported).
   /// `calling_convention` has one letter per argument: `t` tensor, `s` scalar. `call`
@@ -63,3 +65,4 @@ class TraceHookGuard {
 };
 
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -2,9 +2,10 @@
 /// \file
 /// `Variable`: an ATen tensor plus autograd metadata (requires_grad, the grad_fn edge,
 /// the accumulated grad of a leaf). Variables share their metadata: copies of a Variable
-/// are the same variable (`impl_id()` is equal). API.md, "Variable"; the design follows
+/// are the same variable (`impl_id()` is equal). docs/api.md, "Variable"; the design follows
 /// libtorch's `torch::autograd::Variable` (pre-1.0: a wrapper holding the grad_fn edge).
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -110,3 +111,4 @@ class Variable {
 };
 
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -1,8 +1,8 @@
 #pragma once
 /// \file
 /// `MultiStageClosure` (one immutable `StageClosure` per stage of a traced graph) and
-/// `StageCall`, the autograd Function that runs stage k for one call (seed SPEC.md 3.10
-/// and 3.11, redesigned):
+/// `StageCall`, the autograd Function that runs stage k for one call (docs/seed-system.md §3.8
+/// and §3.9, redesigned):
 ///
 /// - A call of stage k feeds its inputs, the earlier-stage values it was primed with and
 ///   the ConstantFactory into the stage's roots, runs them on the engine (no grad mode:
@@ -12,9 +12,9 @@
 ///   k+1 primed with only the cross-stage values a later stage reads. Its
 ///   next_functions are the gradient edges, at call time, of the inputs (of any earlier
 ///   stage) that stage k+1's outputs are gradients of — so nothing depends on the order
-///   in which the seed appended inherited edges (SPEC 7, item 13).
+///   in which the seed appended inherited edges (docs/seed-system.md §6.1).
 /// - After the last compiled stage the grad_fn is an `ErrorFunction` that runs (it has
-///   the edges) and throws "compiled only for K derivatives" (SPEC 7, item 14).
+///   the edges) and throws "compiled only for K derivatives" (docs/seed-system.md §6.2).
 /// - A call runs the stage's variant for what it needs (Note [Stage variants] in
 ///   closure/specialize.hpp): only the outputs the engine says are needed, nothing for
 ///   later stages unless a later stage will run (grad mode), and undefined incoming
@@ -26,6 +26,7 @@
 /// - Outputs get a grad_fn only in grad mode (stage 0: the caller's; stage k >= 1: the
 ///   backward's create_graph), as eager autograd does.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/engine.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
@@ -57,7 +58,7 @@ struct MultiStageClosure {
   /// Run a stage's independent branches on the engine's worker threads
   /// (`CompileOptions::inter_op_parallel`); false: on the calling thread only.
   bool inter_op_parallel = false;
-  /// Run the stages' functions inside a `fusion::HostCacheScope`
+  /// Run the stages' functions inside a `memory::HostCacheScope`
   /// (`CompileOptions::cache_host_memory`).
   bool cache_host_memory = false;
   /// Run each call through the stage variant for what it needs
@@ -244,14 +245,12 @@ class StageCall final : public ClosureImpl {
     state.handles = env_handles_;
     state.handles.resize(d.plan.num_slots());
     state.outputs.clear();
-    ExecuteCallbacks callbacks = sc.callbacks;
-    callbacks.state = &state;
     ExecuteOptions options;
     options.create_graph = false;
     options.keep_graph = true;
     options.single_threaded = !d.inter_op_parallel;
     options.cache_host_memory = d.cache_host_memory;
-    execute(sc.roots, leaves, options, callbacks);
+    execute(sc.roots, leaves, options, sc.callbacks, &state);
     state.outputs.resize(sc.num_outputs);
   }
 
@@ -422,3 +421,4 @@ inline std::vector<variable_list> run_stages(std::shared_ptr<const MultiStageClo
 }
 
 }  // namespace stagejit::closure
+#include <stagejit/core/detail/bodies_end.hpp>

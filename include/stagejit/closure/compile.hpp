@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// `compile()`: a traced, optimised, staged closure behind a cache keyed on the argument
-/// spec (API.md "Compiling"; the seed's CompiledFunction, SPEC.md 2.7, with a trace cache
+/// spec (docs/api.md "Compiling"; the seed's CompiledFunction, docs/seed-system.md §2.6, with a trace cache
 /// that retraces on a new spec instead of erroring).
 ///
 /// A miss traces `fn` with `derivatives` backward stages, runs the passes (DCE, CSE and
@@ -11,11 +11,12 @@
 /// outside it; two threads missing on one spec may both trace, and the first to finish
 /// is kept), and every call's state lives in the call.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/closure/autograd_closure.hpp>
 #include <stagejit/core/arg_spec.hpp>
 #include <stagejit/core/error.hpp>
-#include <stagejit/fusion/host_allocator.hpp>
+#include <stagejit/core/memory/host_allocator.hpp>
 #include <stagejit/passes/cse.hpp>
 #include <stagejit/passes/dce.hpp>
 #include <stagejit/passes/graph_fuser.hpp>
@@ -43,12 +44,12 @@ struct CompileOptions {
   /// (bench/closure.md). Turn it on for stages with many independent single-threaded ops.
   bool inter_op_parallel = false;
   /// Large CPU tensors allocated while a compiled stage runs (outputs, saved values,
-  /// gradients; 64 KiB or more) come from `fusion::HostCachingAllocator`, which reuses
+  /// gradients; 64 KiB or more) come from `memory::HostCachingAllocator`, which reuses
   /// freed blocks instead of returning them to the system, as PyTorch's CUDA caching
   /// allocator does. Installs the routing CPU allocator on first use (see
-  /// fusion/host_allocator.hpp; code outside compiled stages is unaffected). Free blocks
+  /// core/memory/host_allocator.hpp; code outside compiled stages is unaffected). Free blocks
   /// are kept up to `$STAGEJIT_HOST_CACHE_MB` (default 1024 MiB);
-  /// `fusion::HostCachingAllocator::get().empty_cache()` releases them.
+  /// `memory::HostCachingAllocator::get().empty_cache()` releases them.
   bool cache_host_memory = true;
   /// Run each call of a stage through a variant specialised on what it needs: only the
   /// gradients the running backward asks for, nothing for later stages outside grad
@@ -110,7 +111,7 @@ class CompiledFunction {
     State(traced_fn f, CompileOptions o)
         : fn(std::move(f)), options(o),
           // Installed here, typically before the threads that call the function start.
-          cache_host_memory(o.cache_host_memory && fusion::install_host_cache()) {}
+          cache_host_memory(o.cache_host_memory && memory::install_host_cache()) {}
     traced_fn fn;
     CompileOptions options;
     bool cache_host_memory;
@@ -170,9 +171,10 @@ class CompiledFunction {
   std::shared_ptr<State> state_;
 };
 
-/// Compiles `fn` (see the file comment and API.md "Compiling").
+/// Compiles `fn` (see the file comment and docs/api.md "Compiling").
 inline CompiledFunction compile(traced_fn fn, CompileOptions options = {}) {
   return CompiledFunction(std::move(fn), options);
 }
 
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -1,9 +1,9 @@
 #pragma once
 /// \file
-/// The cross-stage plan of a multi-stage graph (the seed's CrossStageStateDesc, SPEC.md
-/// 3.3, restated for Values and fixed for the cases the seed got wrong: values used two or
-/// more stages later (carried through the stages between, SPEC 7 item 15), stages left
-/// empty by DCE, graph outputs produced at an earlier stage (item 17)).
+/// The cross-stage plan of a multi-stage graph (the seed's CrossStageStateDesc, docs/seed-system.md
+/// §3.3, restated for Values and fixed for the cases the seed got wrong: values used two or
+/// more stages later (carried through the stages between, docs/seed-system.md §6.3), stages left
+/// empty by DCE, graph outputs produced at an earlier stage (docs/seed-system.md §6.5)).
 ///
 /// Note [Cross-stage slots]: every value that crosses a stage boundary (a tensor or a
 /// Handle produced at stage s and used at a stage t > s, by a node or as a graph output)
@@ -12,6 +12,7 @@
 /// the slots still needed at a stage > s (and nothing else); stage t reads the slots it
 /// uses from that environment (previous-stage inputs).
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/ir/graph.hpp>
 
@@ -120,3 +121,4 @@ class CrossStagePlan {
 };
 
 }  // namespace stagejit::closure
+#include <stagejit/core/detail/bodies_end.hpp>

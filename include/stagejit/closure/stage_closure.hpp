@@ -1,29 +1,33 @@
 #pragma once
 /// \file
-/// `StageClosure`: the immutable function graph of one stage (seed SPEC.md 3.4-3.7),
+/// `StageClosure`: the immutable function graph of one stage (docs/seed-system.md §3.4-3.7),
 /// built once and shared by every call. Per-call state never lives here: captures,
-/// Handles and outputs go through the engine's per-execution callbacks into the
-/// caller's `CallState` (Note [Cross-stage slots] in plan.hpp), so one closure can run
-/// on several threads at once.
+/// Handles and outputs go through the callback policies (CaptureOutput, CaptureHandle,
+/// RunHandle, CaptureOutputs: autograd/callbacks.hpp) into the `CallState` each call
+/// passes to `execute` (Note [Cross-stage slots] in plan.hpp), so one closure can run
+/// on several threads at once and a call copies no table.
 ///
-/// Function per node (SPEC 3.5): Param -> InputPlaceholder (a root); a value of an
+/// Function per node (docs/seed-system.md §3.5): Param -> InputPlaceholder (a root); a value of an
 /// earlier stage -> PrevStageInput (a root); Constant -> WrapConstant fed by the single
 /// ConstantFactory root (so are nullary ops such as `zeros`); Undefined -> EmitNull (never run: consumers see undefined);
-/// Op -> Lambda over the op table; FusionGroup -> FusedKernel running the generated
+/// Op -> OpCall over the op table; FusionGroup -> FusedKernel running the generated
 /// kernel (`fusion::FusedGroup`, which falls back to the nodes one by one); HostOp -> HostCall; Eval -> EvalPlaceholder whose
-/// post-callback applies the Handle; Transpose / Reshape / Gemm -> Lambda over ATen; the
+/// post-callback applies the Handle; Transpose / Reshape / Gemm -> AtenCall; the
 /// stage's outputs -> one Output stopped by a CaptureOutputs pre-callback. Fan-out and
 /// unused outputs go through Replicate (a Function has one edge per output, and the
 /// engine sums what meets at one input).
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/callbacks.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/closure/plan.hpp>
 #include <stagejit/core/error.hpp>
+#include <stagejit/core/overloaded.hpp>
 #include <stagejit/fusion/codegen.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
+#include <stagejit/ops/node_semantics.hpp>
 #include <stagejit/ops/op_def.hpp>
 #include <stagejit/trace/host_op_payload.hpp>
 #include <stagejit/trace/op_attributes.hpp>
@@ -42,7 +46,7 @@ struct StageClosure {
   std::vector<Edge> roots;
   /// The slot each PrevStageInput root reads (Note [Cross-stage slots]).
   std::vector<std::size_t> prev_slots;
-  /// Callback policies; a call copies this and points `state` at its own CallState.
+  /// Callback policies (built once; each call passes its own CallState to `execute`).
   ExecuteCallbacks callbacks;
   /// Number of outputs of the stage.
   std::size_t num_outputs = 0;
@@ -122,15 +126,7 @@ struct StageClosure {
       Function* found = fn_of_[producer->id()].get();
       if (!found) continue;  // e.g. produced by nothing that runs
       if (producer->is<ir::Undefined>()) continue;  // never runs: the slot stays undefined
-      std::size_t index = v->offset();
-      callbacks.post.emplace(found,
-                             GenericCallback{[slot = renumber(slot), index](Function&, variable_list&,
-                                                           variable_list* outputs, CallState* st) {
-                               std::lock_guard<std::mutex> lock(st->mutex);
-                               if (st->values.size() <= slot) st->values.resize(slot + 1);
-                               st->values[slot] = (*outputs).at(index);
-                               return true;
-                             }});
+      callbacks.post.emplace(found, CaptureOutput{v->offset(), renumber(slot)});
     }
     std::vector<std::shared_ptr<Function>>().swap(fn_of_);  // only needed while building
   }
@@ -143,77 +139,70 @@ struct StageClosure {
 
   std::shared_ptr<Function> function_for(ir::Node* n, const std::shared_ptr<Function>& factory) {
     const uint32_t n_in = static_cast<uint32_t>(n->inputs().size());
+    // A node without inputs is triggered by the ConstantFactory: the engine only runs
+    // functions that receive an input.
+    auto triggered = [&](std::shared_ptr<Function> fn) {
+      factory->next_functions.push_back(Edge{fn, 0});
+      return fn;
+    };
+    // Transpose / Reshape / Gemm: their meaning (ops/node_semantics.hpp) on the tensors.
+    auto aten_call = [&](std::string_view name, auto tensor_fn) {
+      return make_function(AtenCall{name, [tensor_fn](const variable_list& in) -> variable_list {
+                                      std::vector<at::Tensor> t;
+                                      t.reserve(in.size());
+                                      for (const auto& v : in) t.push_back(v.data());
+                                      return {Variable(tensor_fn(t))};
+                                    }},
+                           {}, n_in);
+    };
+    auto not_a_node = [&](std::string_view what) -> std::shared_ptr<Function> {
+      detail::throw_error<CompileError>("closure: ", what, " ", n->describe(),
+                                        " cannot be compiled into a closure");
+    };
     return std::visit(
-        [&](const auto& kind) -> std::shared_ptr<Function> {
-          using K = std::decay_t<decltype(kind)>;
-          if constexpr (std::is_same_v<K, ir::Constant>) {
-            auto fn = make_function(WrapConstant{kind.value}, {}, 1);
-            factory->next_functions.push_back(Edge{fn, 0});
-            return fn;
-          } else if constexpr (std::is_same_v<K, ir::Undefined>) {
-            return make_function(EmitNull{}, {}, 0);
-          } else if constexpr (std::is_same_v<K, ir::Op>) {
-            const OpDef* def = ops::find(kind.name);
-            STAGEJIT_CHECK_AS(CompileError, def, "closure: node ", n->describe(),
-                              " calls the unknown op '", kind.name, "'");
-            Attributes attrs = detail::to_core_attributes(kind.attributes);
-            if (n_in == 0) {
-              // A nullary op (e.g. `zeros`) is triggered by the ConstantFactory like a
-              // constant: the engine only runs functions that receive an input.
-              auto fn = make_function(
-                  Lambda{nullptr, {}, [def, attrs](const variable_list&) {
-                           return ops::apply(*def, {}, attrs);
-                         }},
-                  {}, 1);
-              factory->next_functions.push_back(Edge{fn, 0});
-              return fn;
-            }
-            return make_function(Lambda{def, std::move(attrs), {}}, {}, n_in);
-          } else if constexpr (std::is_same_v<K, ir::HostOp>) {
-            return host_call(n, kind);
-          } else if constexpr (std::is_same_v<K, ir::Eval>) {
-            return eval_placeholder(n);
-          } else if constexpr (std::is_same_v<K, ir::FusionGroup>) {
-            STAGEJIT_CHECK_AS(CompileError, kind.subgraph, "closure: FusionGroup ",
-                              n->describe(), " has no subgraph");
-            std::string name = "fusion_group_" + std::to_string(n->id());
-            auto group = std::make_shared<const fusion::FusedGroup>(kind.subgraph, name);
-            return make_function(
-                FusedKernel{name, [group](const variable_list& in) -> variable_list {
-                              std::vector<at::Tensor> tensors;
-                              tensors.reserve(in.size());
-                              for (const auto& v : in) tensors.push_back(v.data());
-                              auto outs = group->run(tensors);
-                              return variable_list(outs.begin(), outs.end());
-                            }},
-                {}, n_in);
-          } else if constexpr (std::is_same_v<K, ir::Transpose>) {
-            auto perm = kind.perm;
-            return make_function(
-                Lambda{nullptr, {}, [perm](const variable_list& in) -> variable_list {
-                         return {Variable(in.at(0).data().permute(perm))};
-                       }},
-                {}, 1);
-          } else if constexpr (std::is_same_v<K, ir::Reshape>) {
-            auto shape = kind.shape;
-            return make_function(
-                Lambda{nullptr, {}, [shape](const variable_list& in) -> variable_list {
-                         return {Variable(in.at(0).data().reshape(shape))};
-                       }},
-                {}, 1);
-          } else if constexpr (std::is_same_v<K, ir::Gemm>) {
-            double alpha = kind.alpha, beta = kind.beta;
-            return make_function(
-                Lambda{nullptr, {}, [alpha, beta](const variable_list& in) -> variable_list {
-                         return {Variable(at::addmm(in.at(2).data(), in.at(0).data(),
-                                                    in.at(1).data(), beta, alpha))};
-                       }},
-                {}, 3);
-          } else {
-            detail::throw_error<CompileError>("closure: node ", n->describe(),
-                                              " cannot be compiled into a closure (",
-                                              ir::kind_name(n->kind()), ")");
-          }
+        Overloaded{
+            [&](const ir::Constant& kind) { return triggered(make_function(WrapConstant{kind.value}, {}, 1)); },
+            [&](const ir::Undefined&) { return make_function(EmitNull{}, {}, 0); },
+            [&](const ir::Op& kind) {
+              STAGEJIT_CHECK_AS(CompileError, kind.id() != OpId::unknown, "closure: node ", n->describe(),
+                                " calls the unknown op '", kind.name(), "'");
+              auto fn = make_function(OpCall{&ops::def(kind.id()), detail::to_core_attributes(kind.attributes)}, {},
+                                      n_in == 0 ? 1 : n_in);
+              return n_in == 0 ? triggered(std::move(fn)) : fn;
+            },
+            [&](const ir::HostOp& kind) { return host_call(n, kind); },
+            [&](const ir::Eval&) { return eval_placeholder(n); },
+            [&](const ir::FusionGroup& kind) {
+              STAGEJIT_CHECK_AS(CompileError, kind.subgraph, "closure: FusionGroup ", n->describe(),
+                                " has no subgraph");
+              std::string name = "fusion_group_" + std::to_string(n->id());
+              auto group = std::make_shared<const fusion::FusedGroup>(kind.subgraph, name);
+              return make_function(FusedKernel{name, [group](const variable_list& in) -> variable_list {
+                                                  std::vector<at::Tensor> tensors;
+                                                  tensors.reserve(in.size());
+                                                  for (const auto& v : in) tensors.push_back(v.data());
+                                                  auto outs = group->run(tensors);
+                                                  return variable_list(outs.begin(), outs.end());
+                                                }},
+                                   {}, n_in);
+            },
+            [&](const ir::Transpose& kind) {
+              return aten_call("Transpose", [kind](const std::vector<at::Tensor>& t) {
+                return semantics::transpose(kind, t.at(0));
+              });
+            },
+            [&](const ir::Reshape& kind) {
+              return aten_call("Reshape", [kind](const std::vector<at::Tensor>& t) {
+                return semantics::reshape(kind, t.at(0));
+              });
+            },
+            [&](const ir::Gemm& kind) {
+              return aten_call("Gemm", [kind](const std::vector<at::Tensor>& t) {
+                return semantics::gemm(kind, t.at(0), t.at(1), t.at(2));
+              });
+            },
+            [&](const ir::Param&) { return not_a_node("the Param"); },
+            [&](const ir::Return&) { return not_a_node("the Return"); },
         },
         n->kind());
   }
@@ -256,16 +245,7 @@ struct StageClosure {
     for (auto& [fn, value] : handle_captures_) {
       std::ptrdiff_t slot = renumber(plan.slot_of(value));
       if (slot < 0) continue;  // the Handle is used by no later stage
-      callbacks.post.emplace(fn, GenericCallback{[slot](Function&, variable_list&,
-                                                        variable_list* outputs, CallState* st) {
-                               std::shared_ptr<Function> h;
-                               for (const auto& o : *outputs)
-                                 if (o.defined() && o.grad_fn()) { h = o.grad_fn(); break; }
-                               std::lock_guard<std::mutex> lock(st->mutex);
-                               if (st->handles.size() <= std::size_t(slot)) st->handles.resize(slot + 1);
-                               st->handles[slot] = h;
-                               return true;
-                             }});
+      callbacks.post.emplace(fn, CaptureHandle{static_cast<std::size_t>(slot)});
     }
     for (auto& [fn, node] : eval_nodes_) {
       std::ptrdiff_t in_slot = renumber(plan.slot_of(node->inputs().back()));
@@ -274,40 +254,8 @@ struct StageClosure {
       bool makes_handle = !node->outputs().empty() && node->outputs().back()->is_handle();
       std::ptrdiff_t out_slot = makes_handle ? renumber(plan.slot_of(node->outputs().back())) : -1;
       std::size_t expected = node->outputs().size() - (makes_handle ? 1 : 0);
-      std::string where = node->describe();
-      // One callback, so running the Handle always precedes capturing the next one
-      // (the seed relied on multimap order here: SPEC 7 item 16).
-      callbacks.post.emplace(
-          fn, GenericCallback{[in_slot, out_slot, makes_handle, expected, where](
-                                  Function&, variable_list& inputs, variable_list* outputs,
-                                  CallState* st) {
-            std::shared_ptr<Function> h;
-            {
-              std::lock_guard<std::mutex> lock(st->mutex);
-              if (std::size_t(in_slot) < st->handles.size()) h = st->handles[in_slot];
-            }
-            STAGEJIT_CHECK(h, "closure: Eval ", where, " received no Handle (the opaque "
-                           "function it stands for made no backward in this call)");
-            variable_list grads;
-            {
-              // Mirror the trace: the incoming gradients required grad when a further
-              // stage followed, which decides the shape of the next opaque backward.
-              AutoGradMode grad_mode(makes_handle);
-              for (auto& g : inputs) grads.push_back(g.defined() ? Variable(g.data(), makes_handle) : g);
-              *outputs = h->apply(grads);
-            }
-            STAGEJIT_CHECK(outputs->size() == expected, "closure: Eval ", where, " returned ",
-                           outputs->size(), " gradients, the trace recorded ", expected);
-            if (out_slot >= 0) {
-              std::shared_ptr<Function> next;
-              for (const auto& o : *outputs)
-                if (o.defined() && o.grad_fn()) { next = o.grad_fn(); break; }
-              std::lock_guard<std::mutex> lock(st->mutex);
-              if (st->handles.size() <= std::size_t(out_slot)) st->handles.resize(out_slot + 1);
-              st->handles[out_slot] = next;
-            }
-            return true;
-          }});
+      callbacks.post.emplace(fn, RunHandle{static_cast<std::size_t>(in_slot), out_slot, makes_handle,
+                                           expected, node->describe()});
     }
     handle_captures_.clear();
     eval_nodes_.clear();
@@ -338,3 +286,4 @@ struct StageClosure {
 };
 
 }  // namespace stagejit::closure
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -1,10 +1,11 @@
 #pragma once
 /// \file
 /// `ArgSpec`: what a compiled function's trace depends on, per input — defined,
-/// requires_grad, dtype, device, sizes and contiguity (DESIGN.md: the trace cache keyed
+/// requires_grad, dtype, device, sizes and contiguity (docs/design.md: the trace cache keyed
 /// on an argument spec, which retraces on a new spec instead of throwing). Two calls with
 /// equal specs can share one compiled closure.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
 #include <cstddef>
@@ -82,3 +83,4 @@ struct ArgSpecHash {
 };
 
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -6,6 +6,7 @@
 /// `stagejit::Error` whose message names the node, value, function or stage concerned
 /// and what was expected. Internal invariants use `STAGEJIT_ASSERT` (debug builds only).
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <cstddef>
 #include <sstream>
 #include <stdexcept>
@@ -116,3 +117,4 @@ template <class E, class... Args>
                                                          __LINE__, ": " __VA_OPT__(, ) __VA_ARGS__); \
   } while (false)
 #endif
+#include <stagejit/core/detail/bodies_end.hpp>

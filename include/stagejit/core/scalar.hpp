@@ -3,6 +3,7 @@
 /// `Scalar`: the non-tensor arguments of ops and host functions, and `Attributes`,
 /// the named scalar arguments an op carries into the IR (`alpha`, `dim`, `other`, ...).
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -12,7 +13,7 @@
 namespace stagejit {
 
 /// A non-tensor argument: `double`, `int64_t`, `bool`, `std::string`,
-/// `std::vector<int64_t>` or `std::vector<double>` (API.md, Host functions).
+/// `std::vector<int64_t>` or `std::vector<double>` (docs/api.md, Host functions).
 using Scalar = std::variant<double, int64_t, bool, std::string, std::vector<int64_t>,
                             std::vector<double>>;
 
@@ -20,3 +21,4 @@ using Scalar = std::variant<double, int64_t, bool, std::string, std::vector<int6
 using Attributes = std::vector<std::pair<std::string, Scalar>>;
 
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

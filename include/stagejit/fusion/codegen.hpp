@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// The fusion code generator for the CPU backend and the runner of a FusionGroup
-/// (SPEC 5.2, restated for the CPU launch ABI of kernel_spec.hpp).
+/// (docs/seed-system.md §5.2, restated for the CPU launch ABI of kernel_spec.hpp).
 ///
 /// `generate` turns a FusionGroup subgraph (elementwise Op nodes, see
 /// passes/graph_fuser.hpp) plus the tensors it will run on into one C++ kernel body over
@@ -18,15 +18,18 @@
 /// other dtypes, `to`, ops without a Vectorized form, inputs on a non-CPU device, and
 /// groups whose outputs do not all have the iteration shape (the broadcast of all inputs).
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/fusion/cpu_backend.hpp>
 #include <stagejit/fusion/detail/codegen_ops.hpp>
-#include <stagejit/fusion/host_allocator.hpp>
+#include <stagejit/core/memory/host_allocator.hpp>
 #include <stagejit/fusion/kernel_spec.hpp>
 #include <stagejit/fusion/tensor_args.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/printer.hpp>
+#include <stagejit/ops/node_semantics.hpp>
 #include <stagejit/ops/op_def.hpp>
+#include <stagejit/trace/op_attributes.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
@@ -171,27 +174,20 @@ inline KernelSource generate(const ir::Graph& subgraph, const std::vector<at::Te
   return ks;
 }
 
-/// Converts IR attributes to the op table's core `Attributes` (numbers, strings, lists).
-/// Throws FusionError for tensor or graph attributes.
+/// Converts an op's IR attributes to the op table's core `Attributes` (numbers,
+/// strings, lists; trace/op_attributes.hpp). Throws FusionError naming the op for tensor
+/// or graph attributes.
 inline Attributes to_core_attributes(const ir::Op& op) {
-  Attributes out;
-  for (const auto& [k, v] : op.attributes) {
-    std::visit(
-        [&, &key = k](const auto& x) {
-          using X = std::decay_t<decltype(x)>;
-          if constexpr (std::is_same_v<X, double> || std::is_same_v<X, int64_t> || std::is_same_v<X, std::string> ||
-                        std::is_same_v<X, std::vector<int64_t>> || std::is_same_v<X, std::vector<double>>)
-            out.emplace_back(key, Scalar(x));
-          else
-            throw FusionError("fusion: attribute '" + key + "' of op '" + op.name + "' is not a number or string");
-        },
-        v);
+  try {
+    return stagejit::detail::to_core_attributes(op.attributes);
+  } catch (const CompileError& e) {
+    throw FusionError("fusion: op '" + std::string(op.name()) + "': " + e.what());
   }
-  return out;
 }
 
-/// Runs `subgraph`'s nodes one by one with `ops::run_forward` (ATen eager): the fallback
-/// of `run_fused` and the oracle of its tests. Throws what `run_forward` throws.
+/// Runs `subgraph`'s nodes one by one (`semantics::run_pure`: ATen eager): the fallback
+/// of `run_fused` and the oracle of its tests. Throws what `run_forward` throws, and
+/// FusionError for a node that is not an op or an attribute a table op cannot take.
 inline std::vector<at::Tensor> run_unfused(const ir::Graph& subgraph, const std::vector<at::Tensor>& inputs) {
   STAGEJIT_CHECK_AS(FusionError, inputs.size() == subgraph.inputs().size(), "fusion: the group has ",
                     subgraph.inputs().size(), " inputs but was given ", inputs.size(), " tensors");
@@ -202,8 +198,13 @@ inline std::vector<at::Tensor> run_unfused(const ir::Graph& subgraph, const std:
     STAGEJIT_CHECK_AS(FusionError, op, "fusion: node #", n->id(), " (", n->describe(), ") is not an op");
     std::vector<at::Tensor> args;
     for (const ir::Value* v : n->inputs()) args.push_back(env.at(v));
-    auto outs = ops::run_forward(ops::get(op->name), args, to_core_attributes(*op));
-    STAGEJIT_CHECK_AS(FusionError, outs.size() == n->outputs().size(), "fusion: op '", op->name, "' returned ",
+    std::vector<at::Tensor> outs;
+    try {
+      outs = semantics::run_pure(*n, args);
+    } catch (const CompileError& e) {  // attributes a table op cannot take
+      throw FusionError(std::string("fusion: ") + e.what());
+    }
+    STAGEJIT_CHECK_AS(FusionError, outs.size() == n->outputs().size(), "fusion: op '", op->name(), "' returned ",
                       outs.size(), " tensors for ", n->outputs().size(), " outputs");
     for (size_t i = 0; i < outs.size(); ++i) env[n->output(i)] = outs[i];
   }
@@ -448,3 +449,4 @@ class FusedGroup {
 };
 
 }  // namespace stagejit::fusion
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -29,6 +29,7 @@
 ///           });
 ///     }
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/fusion/kernel_spec.hpp>
 #include <stagejit/fusion/tensor_args.hpp>
@@ -132,3 +133,4 @@ class CpuBackend {
 CpuBackend& default_cpu_backend();
 
 }  // namespace stagejit::fusion
+#include <stagejit/core/detail/bodies_end.hpp>

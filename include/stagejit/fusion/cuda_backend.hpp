@@ -21,8 +21,9 @@
 ///         sj_store<float>(p.t[3], rank, i, tanhf(a * b + c) * (1.0f / (1.0f + expf(-a))));
 ///       }
 ///     }
-/// The 2017 fusion compiler (SPEC 5.2) is the model: NVRTC to PTX, driver-API launch.
+/// The 2017 fusion compiler (docs/seed-system.md §5.2) is the model: NVRTC to PTX, driver-API launch.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/fusion/kernel_spec.hpp>
 #include <stagejit/fusion/tensor_args.hpp>
@@ -138,3 +139,4 @@ class CudaBuffer {
 void cuda_synchronize(int device = 0);
 
 }  // namespace stagejit::fusion
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -26,9 +26,10 @@
 /// The preludes (`cpu_prelude()`, `cuda_prelude()`) declare `stagejit_TensorArg` with the
 /// same layout as `stagejit::fusion::TensorArg` and the loop helpers a generated body
 /// uses; the backends prepend them to `KernelSource::source`.
-/// Follows the TensorInfo/grid-stride design of the 2017 fusion compiler (SPEC 5.2),
+/// Follows the TensorInfo/grid-stride design of the 2017 fusion compiler (docs/seed-system.md §5.2),
 /// extended with 64-bit indices, broadcasting and CPU kernels.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -91,3 +92,4 @@ struct KernelSource {
 };
 
 }  // namespace stagejit::fusion
+#include <stagejit/core/detail/bodies_end.hpp>

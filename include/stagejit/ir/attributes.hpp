@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// Typed attribute values of IR nodes (SPEC 1.6): `f` double, `fs` double list,
+/// Typed attribute values of IR nodes (docs/seed-system.md §1.5): `f` double, `fs` double list,
 /// `i` int64, `is` int64 list, `s` string, `ss` string list, `t` tensor, `ts` tensor
 /// list, `g` graph, `gs` graph list; and their conversion from core `Scalar`s.
 ///
@@ -9,6 +9,7 @@
 /// `ss[]`, `ts[]`, `gs[]`); tensors are tensor literals (detail/literals.hpp). Graph
 /// attributes print as `<Graph>` / `[<Graphs>]` and cannot be parsed back.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
 #include <array>
@@ -42,7 +43,7 @@ using AttributeList = std::vector<std::pair<std::string, AttributeValue>>;
 inline constexpr std::array<std::string_view, 10> attribute_kind_names = {
     "f", "fs", "i", "is", "s", "ss", "t", "ts", "g", "gs"};
 
-/// The SPEC 1.6 kind of `v`: `"f"`, `"is"`, `"t"`, ...
+/// The docs/seed-system.md §1.5 kind of `v`: `"f"`, `"is"`, `"t"`, ...
 inline std::string_view attribute_kind(const AttributeValue& v) {
   return attribute_kind_names[v.index()];
 }
@@ -149,7 +150,7 @@ inline std::string format_scalar(const Scalar& s) {
 
 }  // namespace stagejit::ir
 
-#ifdef STAGEJIT_TESTING
+#ifdef STAGEJIT_HEADER_TEST_CASES
 #include <stagejit/testing/doctest.hpp>
 TEST_SUITE("ir") {
   TEST_CASE("Scalars convert to the SPEC 1.6 attribute kinds and print by kind") {
@@ -173,3 +174,4 @@ TEST_SUITE("ir") {
   }
 }
 #endif
+#include <stagejit/core/detail/bodies_end.hpp>

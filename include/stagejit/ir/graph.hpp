@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// The multi-stage IR: `Graph`, `Node`, `Value`, `Use` (SPEC 1.1-1.4, restated for Values).
+/// The multi-stage IR: `Graph`, `Node`, `Value`, `Use` (docs/seed-system.md §1.1-1.4, restated for Values).
 ///
 /// Note [Ownership]: a Graph owns every Node it creates (in its list or not); a Node
 /// owns its output Values. Everything else holds raw pointers, valid until the node is
@@ -15,6 +15,7 @@
 /// Note [Handles]: a Handle value (an opaque backward closure) is only ever the last
 /// output of a HostOp or Eval node and the last input of an Eval node (`ir::lint`).
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/SmallVector.h>
@@ -37,6 +38,7 @@
 #include <vector>
 
 #include <stagejit/core/error.hpp>
+#include <stagejit/core/memory/cell_pool.hpp>
 #include <stagejit/ir/kinds.hpp>
 #include <stagejit/ir/type.hpp>
 
@@ -98,170 +100,6 @@ inline bool valid_value_name(std::string_view name) {
 }
 
 namespace detail {
-/// Every pool block is aligned to a cache line (and so suits any cell alignment <= 64).
-inline constexpr size_t pool_block_align = 64;
-inline void* new_pool_block(size_t bytes) {
-  return ::operator new(bytes, std::align_val_t(pool_block_align));
-}
-inline void delete_pool_block(void* block) noexcept {
-  ::operator delete(block, std::align_val_t(pool_block_align));
-}
-
-/// Process-wide cache of freed full-size pool blocks (Note [Pool block cache]).
-///
-/// Note [Pool block cache]: a compile builds and frees graphs of 10^4..10^5 nodes (the
-/// trace's graph, its clone, the fused graph and the subgraphs of its groups). Freed
-/// with glibc's `free`, their pool blocks coalesce at the top of the heap and are
-/// trimmed back to the system, so the next graph takes every page again as a fresh page
-/// fault (8-15 us per 4 KiB page on the VM of bench/closure.md: most of the fuser's time
-/// in steady state). Full-size blocks of a dying graph are therefore kept here, up to
-/// `set_pool_cache_limit` bytes in all (64 MiB by default), and handed to the next
-/// graph's pools.
-/// `release_cached_pool_blocks()` frees them (like a caching allocator's `empty_cache`).
-class BlockCache {
- public:
-  static BlockCache& instance() {
-    static BlockCache* cache = new BlockCache;  // never destroyed: graphs may die at exit
-    return *cache;
-  }
-  /// A cached block of exactly `bytes`, or nullptr.
-  void* take(size_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& [size, blocks] : by_size_)
-      if (size == bytes && !blocks.empty()) {
-        void* p = blocks.back();
-        blocks.pop_back();
-        held_ -= bytes;
-        return p;
-      }
-    return nullptr;
-  }
-  /// Keeps `p` (a block of `bytes`) when the cache has room; false means the caller frees it.
-  bool give(void* p, size_t bytes) noexcept {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (held_ + bytes > limit_) return false;
-    try {
-      for (auto& [size, blocks] : by_size_)
-        if (size == bytes) {
-          blocks.push_back(p);
-          held_ += bytes;
-          return true;
-        }
-      by_size_.emplace_back(bytes, std::vector<void*>{p});
-      held_ += bytes;
-      return true;
-    } catch (...) {  // no room for the pointer: let the caller free the block
-      return false;
-    }
-  }
-  /// Bytes held now.
-  size_t held() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return held_;
-  }
-  /// Sets the most bytes kept (0 disables the cache) and frees what is over it.
-  void set_limit(size_t bytes) noexcept {
-    std::lock_guard<std::mutex> lock(mutex_);
-    limit_ = bytes;
-    for (auto& [size, blocks] : by_size_)
-      while (held_ > limit_ && !blocks.empty()) {
-        delete_pool_block(blocks.back());
-        blocks.pop_back();
-        held_ -= size;
-      }
-  }
-  size_t limit() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return limit_;
-  }
-  /// Frees every cached block (the limit stays).
-  void clear() noexcept {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& [size, blocks] : by_size_) {
-      for (void* block : blocks) delete_pool_block(block);
-      held_ -= size * blocks.size();
-      blocks.clear();
-    }
-  }
-
- private:
-  BlockCache() = default;
-  mutable std::mutex mutex_;
-  std::vector<std::pair<size_t, std::vector<void*>>> by_size_;  // a few block sizes
-  size_t held_ = 0;
-  size_t limit_ = size_t(64) << 20;
-};
-
-/// Storage for one graph's nodes: cells of `Size` bytes carved from blocks (4 cells, then
-/// twice as many per block up to `MaxPerBlock`: small graphs such as fusion subgraphs
-/// stay small), reused through an intrusive free list. A graph's nodes then sit together
-/// in memory in creation order (passes walk them in that order) and cost no malloc each.
-/// Full-size blocks come from and go back to the `BlockCache`.
-template <size_t Size, size_t Align, size_t MaxPerBlock = 256>
-class CellPool {
-  static_assert(Size >= sizeof(void*));
-  static_assert(Align <= pool_block_align);
-
- public:
-  CellPool() = default;
-  CellPool(const CellPool&) = delete;
-  CellPool& operator=(const CellPool&) = delete;
-  ~CellPool() {
-    for (const Block& b : blocks_)
-      if (b.cells != MaxPerBlock || !BlockCache::instance().give(b.data, block_bytes(b.cells)))
-        delete_pool_block(b.data);
-  }
-  /// Uninitialised storage for one object; throws std::bad_alloc.
-  void* allocate() {
-    if (free_) {
-      void* p = free_;
-      std::memcpy(&free_, p, sizeof(void*));  // the link stored in the free cell
-      return p;
-    }
-    if (used_ == block_size_) {
-      const size_t next = blocks_.empty() ? 4 : std::min(2 * block_size_, MaxPerBlock);
-      // Room first (growing geometrically), so that nothing throws once we hold a block.
-      if (blocks_.size() == blocks_.capacity()) blocks_.reserve(2 * blocks_.size() + 1);
-      void* data = next == MaxPerBlock ? BlockCache::instance().take(block_bytes(next)) : nullptr;
-      if (!data) data = new_pool_block(block_bytes(next));
-      blocks_.push_back(Block{static_cast<Cell*>(data), next});
-      block_size_ = next;
-      used_ = 0;
-    }
-    return &blocks_.back().data[used_++];
-  }
-  /// Returns storage from `allocate` whose object has been destroyed.
-  void deallocate(void* p) noexcept {
-    std::memcpy(p, &free_, sizeof(void*));
-    free_ = p;
-  }
-  /// `make(cell)` placement-constructs an object in a fresh cell and returns it; the cell
-  /// goes back to the pool when `make` throws.
-  template <class Make>
-  auto construct(Make&& make) {
-    void* cell = allocate();
-    try {
-      return make(cell);
-    } catch (...) {
-      deallocate(cell);
-      throw;
-    }
-  }
-
- private:
-  struct alignas(Align) Cell {
-    std::byte bytes[Size];
-  };
-  struct Block {
-    Cell* data;
-    size_t cells;
-  };
-  static constexpr size_t block_bytes(size_t cells) { return cells * sizeof(Cell); }
-  std::vector<Block> blocks_;
-  size_t block_size_ = 0;  // cells in the last block
-  size_t used_ = 0;        // cells of the last block handed out
-  void* free_ = nullptr;
-};
 
 /// Destroys a node and returns its cell to its graph's pool.
 struct NodeDeleter {
@@ -274,14 +112,14 @@ struct ValueDeleter {
 }  // namespace detail
 
 /// Bytes of freed graph storage kept for the next graphs (Note [Pool block cache]).
-inline size_t cached_pool_bytes() { return detail::BlockCache::instance().held(); }
+inline size_t cached_pool_bytes() { return memory::BlockCache::instance().held(); }
 /// Frees every cached pool block (the cache fills again as graphs die).
-inline void release_cached_pool_blocks() { detail::BlockCache::instance().clear(); }
+inline void release_cached_pool_blocks() { memory::BlockCache::instance().clear(); }
 /// Sets how many bytes of freed graph storage are kept (default 64 MiB; 0 keeps none)
 /// and frees what is over the new limit.
-inline void set_pool_cache_limit(size_t bytes) { detail::BlockCache::instance().set_limit(bytes); }
+inline void set_pool_cache_limit(size_t bytes) { memory::BlockCache::instance().set_limit(bytes); }
 /// The current limit of `set_pool_cache_limit`, in bytes.
-inline size_t pool_cache_limit() { return detail::BlockCache::instance().limit(); }
+inline size_t pool_cache_limit() { return memory::BlockCache::instance().limit(); }
 
 /// A value: one output of one node (graph inputs are outputs of Param nodes).
 class Value {
@@ -372,7 +210,7 @@ class Node {
   }
   /// A short name for messages: the op name for Op, `^name` for HostOp, else the kind.
   std::string describe() const {
-    if (auto op = get_if<Op>()) return op->name;
+    if (auto op = get_if<Op>()) return std::string(op->name());
     if (auto h = get_if<HostOp>()) return "^" + h->name;
     return std::string(ir::kind_name(kind_));
   }
@@ -640,7 +478,7 @@ class Graph {
                       "stage ", stage, " is out of range");
     if (stage_output_counts_.size() <= stage) stage_output_counts_.resize(stage + 1, 0);
   }
-  /// The stage stamped on nodes made by `create` (SPEC 1.1 "new_node_stage").
+  /// The stage stamped on nodes made by `create` (docs/seed-system.md §1.1 "new_node_stage").
   size_t current_stage() const noexcept { return current_stage_; }
   void set_current_stage(size_t stage) {
     ensure_stage(stage);
@@ -811,8 +649,8 @@ class Graph {
   friend struct detail::NodeDeleter;
   friend struct detail::ValueDeleter;
   // Declared before owned_, so they outlive the nodes and values in them.
-  detail::CellPool<sizeof(Node), alignof(Node)> node_pool_;
-  detail::CellPool<sizeof(Value), alignof(Value)> value_pool_;
+  memory::CellPool<sizeof(Node), alignof(Node)> node_pool_;
+  memory::CellPool<sizeof(Value), alignof(Value)> value_pool_;
   // Every node (listed or not, Params and Return included), in creation order until
   // nodes are destroyed; a vector, not a hash map: graphs of 10^4..10^5 nodes are built,
   // cloned and freed on every compile (bench/closure).
@@ -912,7 +750,7 @@ inline void Node::destroy() {
 
 }  // namespace stagejit::ir
 
-#ifdef STAGEJIT_TESTING
+#ifdef STAGEJIT_HEADER_TEST_CASES
 #include <stagejit/testing/doctest.hpp>
 TEST_SUITE("ir") {
   TEST_CASE("Graph keeps use lists, input stage order and per-stage output groups") {
@@ -968,3 +806,4 @@ TEST_SUITE("ir") {
   }
 }
 #endif
+#include <stagejit/core/detail/bodies_end.hpp>

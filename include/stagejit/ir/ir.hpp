@@ -2,6 +2,7 @@
 /// \file
 /// The whole IR: types, attributes, node kinds, Graph/Node/Value, lint, printer, parser.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/ir/attributes.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
@@ -9,3 +10,4 @@
 #include <stagejit/ir/parser.hpp>
 #include <stagejit/ir/printer.hpp>
 #include <stagejit/ir/type.hpp>
+#include <stagejit/core/detail/bodies_end.hpp>

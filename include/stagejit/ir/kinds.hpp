@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// Node kinds: a closed set of plain structs held in the `NodeKind` variant and
-/// dispatched with `std::visit` (DESIGN.md, "Types dispatched through variants").
+/// dispatched with `std::visit` (docs/design.md, "Types dispatched through variants").
 ///
 /// `kind_names` is the Boost.Hana compile-time table from each kind type to the name the
 /// text form uses; the printer and the parser both read it, so they cannot drift apart.
@@ -9,6 +9,7 @@
 /// Hana Structs: the printer writes their members as `[name=value, ...]` and the parser
 /// fills them back by member name.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 #include <boost/hana.hpp>
 
@@ -20,8 +21,10 @@
 #include <variant>
 #include <vector>
 
+#include <stagejit/core/overloaded.hpp>
 #include <stagejit/core/scalar.hpp>
 #include <stagejit/ir/attributes.hpp>
+#include <stagejit/ops/op_schema.hpp>
 
 namespace stagejit::ir {
 
@@ -38,22 +41,43 @@ struct Constant {
 /// Stands for an undefined (null) tensor, e.g. a missing gradient (one output).
 struct Undefined {};
 
-/// A table op called by its ATen name (`mul`, `add`, `tanh`, `mm`, `sum`, ...) with its
-/// non-tensor arguments as typed attributes in argument order.
+/// A table op (`mul`, `add`, `tanh`, `mm`, `sum`, ...) with its non-tensor arguments as
+/// typed attributes in argument order. The op is held by identity: its interned
+/// `OpSchema` (ops/op_schema.hpp), resolved once when the node is made (by the tracer
+/// from the op it ran, by the parser from the name it read), so passes test `id()`, never
+/// the name. A name the table lacks gets `OpId::unknown` and its own schema: it prints
+/// and parses back, and the closure compiler refuses to run it.
 struct Op {
-  std::string name;
-  AttributeList attributes;
+  /// The op named `name` (interned; `OpId::unknown` when the table lacks it).
+  explicit Op(std::string_view name, AttributeList attrs = {})
+      : attributes(std::move(attrs)), schema_(intern_op(name)) {}
+  /// The table's op `id` (not `OpId::unknown`).
+  explicit Op(OpId id, AttributeList attrs = {})
+      : attributes(std::move(attrs)), schema_(&op_schema(id)) {}
 
   /// An op whose attributes come from core `Attributes` (see `to_attribute`).
-  static Op with(std::string name, const Attributes& attrs = {}) {
-    return Op{std::move(name), to_attribute_list(attrs)};
+  static Op with(std::string_view name, const Attributes& attrs = {}) {
+    return Op(name, to_attribute_list(attrs));
   }
+  static Op with(OpId id, const Attributes& attrs = {}) { return Op(id, to_attribute_list(attrs)); }
+
+  AttributeList attributes;
+
+  /// The op's identity (`OpId::unknown` for a name the table lacks).
+  OpId id() const noexcept { return schema_->id; }
+  /// What is known of the op (arity, elementwise, side effects, fusion template, ...).
+  const OpSchema& schema() const noexcept { return *schema_; }
+  /// ATen's name of the op, as printed.
+  std::string_view name() const noexcept { return schema_->name; }
   /// The attribute called `key`, or nullptr.
   const AttributeValue* attribute(std::string_view key) const {
     for (const auto& [k, v] : attributes)
       if (k == key) return &v;
     return nullptr;
   }
+
+ private:
+  const OpSchema* schema_;  // never null; interned, so equal ops have equal pointers
 };
 
 /// A user C++ callable whose backward is opaque (the seed's PythonOp / CppOp).
@@ -147,17 +171,10 @@ inline constexpr bool is_attribute_kind = boost::hana::Struct<K>::value;
 
 /// True when running the node does more than compute its outputs from its inputs, so
 /// passes must neither remove nor merge it: ATen in-place ops (name ending in `_`) and
-/// random ops. HostOp and Eval are opaque and never merged, but are removed by DCE
+/// random ops (`OpSchema::side_effects`). HostOp and Eval are opaque and never merged, but are removed by DCE
 /// when none of their outputs is used.
 inline bool has_side_effects(const NodeKind& kind) {
-  if (auto op = std::get_if<Op>(&kind)) {
-    static const std::vector<std::string_view> random = {
-        "rand", "randn", "rand_like", "randn_like", "randint", "randperm", "bernoulli",
-        "dropout", "normal", "multinomial", "uniform", "feature_dropout", "alpha_dropout"};
-    if (!op->name.empty() && op->name.back() == '_') return true;
-    for (auto r : random)
-      if (op->name == r) return true;
-  }
+  if (auto op = std::get_if<Op>(&kind)) return op->schema().side_effects;
   return false;
 }
 
@@ -166,36 +183,41 @@ inline bool has_side_effects(const NodeKind& kind) {
 /// are never equal to another node's kind (they are opaque or unique).
 inline bool kind_equal(const NodeKind& a, const NodeKind& b) {
   if (a.index() != b.index()) return false;
+  auto opaque = [](const auto&) { return false; };
   return std::visit(
-      [&](const auto& x) -> bool {
-        using K = std::decay_t<decltype(x)>;
-        const auto& y = std::get<K>(b);
-        if constexpr (std::is_same_v<K, Undefined>) {
-          return true;
-        } else if constexpr (std::is_same_v<K, Op>) {
-          if (x.name != y.name || x.attributes.size() != y.attributes.size()) return false;
-          for (size_t i = 0; i < x.attributes.size(); ++i)
-            if (x.attributes[i].first != y.attributes[i].first ||
-                !attribute_equal(x.attributes[i].second, y.attributes[i].second))
-              return false;
-          return true;
-        } else if constexpr (is_attribute_kind<K>) {
-          bool eq = true;
-          boost::hana::for_each(boost::hana::keys(x), [&](auto key) {
-            eq = eq && attribute_equal(AttributeValue(boost::hana::at_key(x, key)),
-                                       AttributeValue(boost::hana::at_key(y, key)));
-          });
-          return eq;
-        } else {
-          return false;
-        }
+      Overloaded{
+          [&](const Undefined&) { return true; },
+          [&](const Op& x) {
+            const auto& y = std::get<Op>(b);
+            if (&x.schema() != &y.schema() || x.attributes.size() != y.attributes.size()) return false;
+            for (size_t i = 0; i < x.attributes.size(); ++i)
+              if (x.attributes[i].first != y.attributes[i].first ||
+                  !attribute_equal(x.attributes[i].second, y.attributes[i].second))
+                return false;
+            return true;
+          },
+          // Constant, Transpose, Reshape, Gemm: every field, by name.
+          [&]<class K>(const K& x) requires is_attribute_kind<K> {
+            const auto& y = std::get<K>(b);
+            bool eq = true;
+            boost::hana::for_each(boost::hana::keys(x), [&](auto key) {
+              eq = eq && attribute_equal(AttributeValue(boost::hana::at_key(x, key)),
+                                         AttributeValue(boost::hana::at_key(y, key)));
+            });
+            return eq;
+          },
+          [&](const HostOp& x) { return opaque(x); },
+          [&](const Eval& x) { return opaque(x); },
+          [&](const FusionGroup& x) { return opaque(x); },
+          [&](const Param& x) { return opaque(x); },
+          [&](const Return& x) { return opaque(x); },
       },
       a);
 }
 
 }  // namespace stagejit::ir
 
-#ifdef STAGEJIT_TESTING
+#ifdef STAGEJIT_HEADER_TEST_CASES
 #include <stagejit/testing/doctest.hpp>
 TEST_SUITE("ir") {
   TEST_CASE("the Hana kind table names kinds, and kind_equal compares fields") {
@@ -215,3 +237,4 @@ TEST_SUITE("ir") {
   }
 }
 #endif
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// `ir::lint`: checks every IR invariant (SPEC 1.7 restated for Values, plus the stage
+/// `ir::lint`: checks every IR invariant (docs/seed-system.md §1.6 restated for Values, plus the stage
 /// and Handle rules of the multi-stage IR). Each rule has a name, used in the message:
 ///
 /// - `use-list`: every input edge has exactly one matching Use on its value and every
@@ -25,6 +25,7 @@
 ///
 /// Throws `LintError` (an `IrError`) naming the node, the rule, and what was expected.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -139,54 +140,54 @@ class Linter {
     std::visit([&](const auto& k) { check_kind(n, k); }, n->kind());
   }
 
-  template <class K>
-  void check_kind(const Node* n, const K& k) const {
-    auto arity = [&](size_t ins, const char* what) {
-      if (n->inputs().size() != ins || n->outputs().size() != 1)
-        fail(n, "arity", std::string(what) + " takes " + std::to_string(ins) + " inputs and has 1 output, found " +
-                             std::to_string(n->inputs().size()) + " inputs and " +
-                             std::to_string(n->outputs().size()) + " outputs");
-    };
-    if constexpr (std::is_same_v<K, Param>) {
-      fail(n, "structure", "a Param is not a graph input");
-    } else if constexpr (std::is_same_v<K, Constant>) {
-      arity(0, "Constant");
-      if (!k.value.defined()) fail(n, "arity", "a Constant holds an undefined tensor");
-    } else if constexpr (std::is_same_v<K, Undefined>) {
-      arity(0, "Undefined");
-    } else if constexpr (std::is_same_v<K, Transpose> || std::is_same_v<K, Reshape>) {
-      arity(1, std::is_same_v<K, Transpose> ? "Transpose" : "Reshape");
-    } else if constexpr (std::is_same_v<K, Gemm>) {
-      arity(3, "Gemm");
-    } else if constexpr (std::is_same_v<K, Eval>) {
-      if (n->inputs().empty() || !n->inputs().back()->is_handle())
-        fail(n, "handle", "an Eval's last input must be the Handle it runs");
-    } else if constexpr (std::is_same_v<K, HostOp>) {
-      size_t t = 0, s = 0;
-      for (char c : k.calling_convention) {
-        if (c == 't') ++t;
-        else if (c == 's') ++s;
-        else fail(n, "calling-convention", "convention '" + k.calling_convention + "' may only contain 't' and 's'");
-      }
-      if (t != n->inputs().size() || s != k.scalars.size())
-        fail(n, "calling-convention", "convention '" + k.calling_convention + "' expects " + std::to_string(t) +
-                                          " inputs and " + std::to_string(s) + " scalars, found " +
-                                          std::to_string(n->inputs().size()) + " and " +
-                                          std::to_string(k.scalars.size()));
-    } else if constexpr (std::is_same_v<K, FusionGroup>) {
-      if (!k.subgraph) fail(n, "fusion-group", "the FusionGroup has no subgraph");
-      const Graph& sub = *k.subgraph;
-      if (sub.inputs().size() != n->inputs().size() || sub.outputs().size() != n->outputs().size())
-        fail(n, "fusion-group", "subgraph has " + std::to_string(sub.inputs().size()) + " inputs and " +
-                                    std::to_string(sub.outputs().size()) + " outputs, node has " +
-                                    std::to_string(n->inputs().size()) + " and " +
-                                    std::to_string(n->outputs().size()));
-      if (sub.num_stages() != 1) fail(n, "fusion-group", "the subgraph must have a single stage");
-      try {
-        Linter(sub).run();
-      } catch (const LintError& e) {
-        fail(n, "fusion-group", std::string("subgraph: ") + e.what());
-      }
+  // One overload per node kind (no catch-all: a new kind does not compile until linted).
+  void arity(const Node* n, size_t ins, const char* what) const {
+    if (n->inputs().size() != ins || n->outputs().size() != 1)
+      fail(n, "arity", std::string(what) + " takes " + std::to_string(ins) + " inputs and has 1 output, found " +
+                           std::to_string(n->inputs().size()) + " inputs and " +
+                           std::to_string(n->outputs().size()) + " outputs");
+  }
+  void check_kind(const Node* n, const Param&) const { fail(n, "structure", "a Param is not a graph input"); }
+  void check_kind(const Node*, const Return&) const {}  // its inputs are the graph outputs: any number
+  void check_kind(const Node* n, const Constant& k) const {
+    arity(n, 0, "Constant");
+    if (!k.value.defined()) fail(n, "arity", "a Constant holds an undefined tensor");
+  }
+  void check_kind(const Node* n, const Undefined&) const { arity(n, 0, "Undefined"); }
+  void check_kind(const Node*, const Op&) const {}  // any arity: the op table checks when run
+  void check_kind(const Node* n, const Transpose&) const { arity(n, 1, "Transpose"); }
+  void check_kind(const Node* n, const Reshape&) const { arity(n, 1, "Reshape"); }
+  void check_kind(const Node* n, const Gemm&) const { arity(n, 3, "Gemm"); }
+  void check_kind(const Node* n, const Eval&) const {
+    if (n->inputs().empty() || !n->inputs().back()->is_handle())
+      fail(n, "handle", "an Eval's last input must be the Handle it runs");
+  }
+  void check_kind(const Node* n, const HostOp& k) const {
+    size_t t = 0, s = 0;
+    for (char c : k.calling_convention) {
+      if (c == 't') ++t;
+      else if (c == 's') ++s;
+      else fail(n, "calling-convention", "convention '" + k.calling_convention + "' may only contain 't' and 's'");
+    }
+    if (t != n->inputs().size() || s != k.scalars.size())
+      fail(n, "calling-convention", "convention '" + k.calling_convention + "' expects " + std::to_string(t) +
+                                        " inputs and " + std::to_string(s) + " scalars, found " +
+                                        std::to_string(n->inputs().size()) + " and " +
+                                        std::to_string(k.scalars.size()));
+  }
+  void check_kind(const Node* n, const FusionGroup& k) const {
+    if (!k.subgraph) fail(n, "fusion-group", "the FusionGroup has no subgraph");
+    const Graph& sub = *k.subgraph;
+    if (sub.inputs().size() != n->inputs().size() || sub.outputs().size() != n->outputs().size())
+      fail(n, "fusion-group", "subgraph has " + std::to_string(sub.inputs().size()) + " inputs and " +
+                                  std::to_string(sub.outputs().size()) + " outputs, node has " +
+                                  std::to_string(n->inputs().size()) + " and " +
+                                  std::to_string(n->outputs().size()));
+    if (sub.num_stages() != 1) fail(n, "fusion-group", "the subgraph must have a single stage");
+    try {
+      Linter(sub).run();
+    } catch (const LintError& e) {
+      fail(n, "fusion-group", std::string("subgraph: ") + e.what());
     }
   }
 
@@ -231,3 +232,4 @@ class Linter {
 inline void lint(const Graph& graph) { detail::Linter(graph).run(); }
 
 }  // namespace stagejit::ir
+#include <stagejit/core/detail/bodies_end.hpp>

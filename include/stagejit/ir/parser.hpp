@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// `ir::parse`: reads the canonical text form (printer.hpp) and the seed-era form of
-/// SPEC 1.8 back into a Graph.
+/// docs/seed-system.md §1.7 back into a Graph.
 ///
 /// Seed-era extras accepted:
 /// - a `, uses = [...]` suffix after a node's inputs: `[%5.i0, %0.i1]` for a single
@@ -19,6 +19,7 @@
 /// Value names that start with a digit are not kept (the printer renumbers them).
 /// Any malformed text throws `ParseError` (1-based line:column, and what was expected).
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
 #include <map>
@@ -661,3 +662,4 @@ inline std::shared_ptr<Graph> parse(std::string_view text) {
 }
 
 }  // namespace stagejit::ir
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// `ir::to_string`: the canonical text form of a graph (SPEC 1.8, Value era).
+/// `ir::to_string`: the canonical text form of a graph (docs/seed-system.md §1.7, Value era).
 ///
 /// ```text
 /// graph(%x : Float(3, 4),
@@ -25,10 +25,12 @@
 /// - After `}`, each fusion group's subgraph as `with fusion_group_N = graph(...) {...}`.
 /// - Value names: see detail/names.hpp. Literals: see attributes.hpp and detail/literals.hpp.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ostream>
 #include <string>
 #include <vector>
 
+#include <stagejit/core/overloaded.hpp>
 #include <stagejit/ir/attributes.hpp>
 #include <stagejit/ir/detail/names.hpp>
 #include <stagejit/ir/graph.hpp>
@@ -42,39 +44,43 @@ namespace detail {
 
 inline std::string kind_text(const Node& n, size_t& fusion_index,
                              std::vector<const Graph*>& subgraphs) {
+  auto bare = [](const auto& k) -> std::string { return std::string(kind_name<std::decay_t<decltype(k)>>()); };
   return std::visit(
-      [&](const auto& k) -> std::string {
-        using K = std::decay_t<decltype(k)>;
-        if constexpr (std::is_same_v<K, Op>) {
-          std::string out = k.name;
-          if (!k.attributes.empty()) {
-            out += '[';
-            for (size_t i = 0; i < k.attributes.size(); ++i)
-              out += (i ? ", " : "") + k.attributes[i].first + "=" +
-                     format_attribute(k.attributes[i].second);
-            out += ']';
-          }
-          return out;
-        } else if constexpr (std::is_same_v<K, HostOp>) {
-          std::string out = "^" + k.name + "[" + k.calling_convention + "](";
-          for (size_t i = 0; i < k.scalars.size(); ++i)
-            out += (i ? ", " : "") + format_scalar(k.scalars[i]);
-          return out + ")";
-        } else if constexpr (std::is_same_v<K, FusionGroup>) {
-          subgraphs.push_back(k.subgraph.get());
-          return std::string(kind_name<K>()) + "_" + std::to_string(fusion_index++);
-        } else if constexpr (is_attribute_kind<K>) {
-          std::string out = std::string(kind_name<K>()) + "[";
-          bool first = true;
-          boost::hana::for_each(boost::hana::accessors<K>(), [&](auto acc) {
-            out += (first ? "" : ", ") + std::string(boost::hana::to<const char*>(boost::hana::first(acc))) +
-                   "=" + format_attribute(AttributeValue(boost::hana::second(acc)(k)));
-            first = false;
-          });
-          return out + "]";
-        } else {
-          return std::string(kind_name<K>());
-        }
+      Overloaded{
+          [&](const Op& k) -> std::string {
+            std::string out(k.name());
+            if (!k.attributes.empty()) {
+              out += '[';
+              for (size_t i = 0; i < k.attributes.size(); ++i)
+                out += (i ? ", " : "") + k.attributes[i].first + "=" + format_attribute(k.attributes[i].second);
+              out += ']';
+            }
+            return out;
+          },
+          [&](const HostOp& k) -> std::string {
+            std::string out = "^" + k.name + "[" + k.calling_convention + "](";
+            for (size_t i = 0; i < k.scalars.size(); ++i) out += (i ? ", " : "") + format_scalar(k.scalars[i]);
+            return out + ")";
+          },
+          [&](const FusionGroup& k) -> std::string {
+            subgraphs.push_back(k.subgraph.get());
+            return std::string(kind_name<FusionGroup>()) + "_" + std::to_string(fusion_index++);
+          },
+          // Constant, Transpose, Reshape, Gemm: `Name[field=value, ...]`.
+          [&]<class K>(const K& k) -> std::string requires is_attribute_kind<K> {
+            std::string out = std::string(kind_name<K>()) + "[";
+            bool first = true;
+            boost::hana::for_each(boost::hana::accessors<K>(), [&](auto acc) {
+              out += (first ? "" : ", ") + std::string(boost::hana::to<const char*>(boost::hana::first(acc))) +
+                     "=" + format_attribute(AttributeValue(boost::hana::second(acc)(k)));
+              first = false;
+            });
+            return out + "]";
+          },
+          [&](const Undefined& k) { return bare(k); },
+          [&](const Eval& k) { return bare(k); },
+          [&](const Param& k) { return bare(k); },
+          [&](const Return& k) { return bare(k); },
       },
       n.kind());
 }
@@ -138,3 +144,4 @@ inline std::string to_string(const Graph& graph) {
 inline std::ostream& operator<<(std::ostream& os, const Graph& graph) { return os << to_string(graph); }
 
 }  // namespace stagejit::ir
+#include <stagejit/core/detail/bodies_end.hpp>

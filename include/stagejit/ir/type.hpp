@@ -3,7 +3,7 @@
 /// The types of IR values: `TensorType` (dtype, sizes, strides, device), `HandleType`
 /// (an opaque backward closure crossing stages) and `UnknownType` (not yet inferred).
 ///
-/// Text form (SPEC 1.3): `Float(3, 4)`, `Double(4!, 2)`, `Handle`, `UNKNOWN_TYPE`.
+/// Text form (docs/seed-system.md §1.3): `Float(3, 4)`, `Double(4!, 2)`, `Handle`, `UNKNOWN_TYPE`.
 /// A `!` follows a size whose stride differs from the contiguous one, i.e. from
 /// `size[d+1] * stride[d+1]` (1 for the last dimension). A device other than the CPU is
 /// printed as a last item: `Float(3, 4, device=cuda:0)`.
@@ -14,6 +14,7 @@
 /// the last); a `!` dimension gets `2*e` (or 1 when `e` is 0). The rebuilt strides print
 /// back to the same marks, so text round-trips; the exact stride values do not.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
@@ -156,7 +157,7 @@ inline std::string to_string(const Type& type) {
 
 }  // namespace stagejit::ir
 
-#ifdef STAGEJIT_TESTING
+#ifdef STAGEJIT_HEADER_TEST_CASES
 #include <stagejit/testing/doctest.hpp>
 TEST_SUITE("ir") {
   TEST_CASE("TensorType prints ! exactly where a stride is not the contiguous one") {
@@ -180,3 +181,4 @@ TEST_SUITE("ir") {
   }
 }
 #endif
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -1,15 +1,17 @@
 #pragma once
 /// \file
-/// The differentiable op table: one `OpDef` per op (ATen's name), holding the forward
-/// (calls ATen on tensors and attributes), the backward formula (written with stagejit
-/// ops, so it is differentiable again and traced when a trace hook is current), the
-/// elementwise flag and the fusion code template. The IR interpreter and the closure
-/// compiler run IR `Op{name, attrs}` nodes through `find` + `run_forward` / `apply`.
+/// The differentiable op table: one `OpDef` per `OpId`, holding its schema
+/// (ops/op_schema.hpp), the forward (calls ATen on tensors and attributes) and the
+/// backward formula (written with stagejit ops, so it is differentiable again and traced
+/// when a trace hook is current). The IR interpreter and the closure compiler run IR
+/// `Op` nodes through `def(op.id())` + `run_forward` / `apply`.
 /// Attribute names follow ATen (`alpha`, `other`, `dim`, `keepdim`, `exponent`, ...);
 /// each entry documents its attributes in `attributes`.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/core/scalar.hpp>
+#include <stagejit/ops/op_schema.hpp>
 
 #include <ATen/ATen.h>
 
@@ -37,37 +39,28 @@ struct BackwardArgs {
   bool needs(std::size_t i) const noexcept { return i < 64 && ((needs_mask >> i) & 1U); }
 };
 
-/// One op of the table.
-struct OpDef {
-  std::string_view name;            ///< ATen's name, e.g. "mul"
-  int min_inputs = 1;               ///< tensor inputs accepted: [min_inputs, max_inputs]
-  int max_inputs = 1;               ///< -1: any number (cat)
-  bool elementwise = false;         ///< pointwise with broadcasting (fusable)
-  bool differentiable = true;       ///< false: outputs never require grad (comparisons, ...)
-  uint64_t saved_inputs = 0;        ///< bit i: the backward needs input i
-  bool saves_outputs = false;       ///< the backward needs the outputs
-  /// Attribute names in ATen's argument order, with a short note (optional ones say so).
-  std::string_view attributes;
-  /// Fusion code template for elementwise ops: `$0`, `$1`.. are the inputs; in scalar
-  /// forms (one input plus attribute `other`) `$1` stands for the attribute. Finalised by
-  /// the fuser; empty for non-elementwise ops.
-  std::string_view fusion_template;
+/// One op of the table: its schema (ops/op_schema.hpp: what the IR, passes and fuser
+/// know of it) and what running it takes (forward, backward formula).
+struct OpDef : OpSchema {
   /// Forward on ATen tensors. Throws ShapeError (via `run_forward`) on bad shapes.
   std::vector<at::Tensor> (*forward)(const std::vector<at::Tensor>& inputs,
                                      const Attributes& attrs) = nullptr;
   /// Backward formula in stagejit ops: one gradient per input (undefined = zero / none).
   variable_list (*backward)(const BackwardArgs& args) = nullptr;
-  /// Name of its backward function, e.g. "MulBackward".
-  std::string_view backward_name;
 };
 
 namespace ops {
 
+/// The op `id` (not `OpId::unknown`). Cheap: an index into the table.
+const OpDef& def(OpId id);
+/// The runnable op of `schema` (an `ir::Op`'s); throws `Error` ("unknown op 'x'") for an
+/// interned name the table lacks.
+const OpDef& def(const OpSchema& schema);
 /// The op named `name`, or null.
 const OpDef* find(std::string_view name) noexcept;
 /// The op named `name`; throws `Error` ("unknown op 'x'") when absent.
 const OpDef& get(std::string_view name);
-/// Every op of the table, in a fixed order.
+/// Every op of the table, in `OpId` order.
 const std::vector<const OpDef*>& all();
 
 /// Runs the forward of `op` on tensors (no autograd, no trace hook). Throws `ShapeError`
@@ -83,3 +76,4 @@ variable_list apply(const OpDef& op, const variable_list& inputs, const Attribut
 
 }  // namespace ops
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -1,10 +1,11 @@
 #pragma once
 /// \file
-/// The differentiable ops of API.md (and the helpers their backward formulas use), as free
+/// The differentiable ops of docs/api.md (and the helpers their backward formulas use), as free
 /// functions with ATen's names, argument order, broadcasting and type promotion. Each runs
 /// one entry of the op table (`ops/op_def.hpp`), so it is differentiable to any order and
 /// reported to the trace hook. Errors: `ShapeError` naming the op for shapes ATen rejects.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 
 #include <cstdint>
@@ -124,3 +125,4 @@ Variable operator/(double a, const Variable& b);
 Variable operator-(const Variable& a);
 
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -2,7 +2,7 @@
 /// \file
 /// Matrix products of thin shapes through LIBXSMM's JIT-generated kernels (Debian's
 /// `libxsmm-dev`; Heinecke et al., "LIBXSMM: accelerating small matrix multiplications
-/// by runtime code generation", SC'16). Compiled in src/small_gemm.cpp.
+/// by runtime code generation", SC'16). Bodies in ops/small_gemm-inl.hpp (core/config.hpp).
 ///
 /// The products of a narrow network on many points (a PINN's 20-unit layers on 10 000
 /// collocation points) are [M, K] x [K, N] with M large and K, N tiny, or [K, M]^T x
@@ -11,6 +11,7 @@
 /// 64 rows (or 256 reduced rows) run them 3-4x faster (bench/pinn.md). Every `mm` and
 /// `addmm` of the op table, eager and compiled, goes through `small_mm` first.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
 #include <optional>
@@ -31,3 +32,4 @@ std::optional<at::Tensor> small_mm(const at::Tensor& a, const at::Tensor& b);
 bool small_mm_enabled() noexcept;
 
 }  // namespace stagejit::ops
+#include <stagejit/core/detail/bodies_end.hpp>

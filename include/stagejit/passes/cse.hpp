@@ -18,6 +18,7 @@
 /// FusionGroup, nodes with a Handle input or output, and nodes with side effects
 /// (`ir::has_side_effects`). FusionGroup subgraphs are processed too.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <cstddef>
 #include <functional>
 #include <string_view>
@@ -46,7 +47,7 @@ inline bool cse_candidate(const ir::Node* n) {
 inline size_t cse_hash(const ir::Node* n) {
   size_t h = n->kind().index();
   auto mix = [&](size_t x) { h ^= x + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2); };
-  if (auto op = n->get_if<ir::Op>()) mix(std::hash<std::string>{}(op->name));
+  if (auto op = n->get_if<ir::Op>()) mix(std::hash<const void*>{}(&op->schema()));
   if (auto c = n->get_if<ir::Constant>()) {
     mix(static_cast<size_t>(c->value.scalar_type()));
     for (auto s : c->value.sizes()) mix(static_cast<size_t>(s));
@@ -105,3 +106,4 @@ inline size_t eliminate_common_subexpressions(ir::Graph& graph) {
 }
 
 }  // namespace stagejit::passes
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -8,8 +8,9 @@
 /// always: nodes with side effects (`ir::has_side_effects`: in-place and random ops).
 /// A multi-output node (HostOp, Eval, ...) is kept whole while any output is used.
 /// Graph inputs are never removed (they are the signature). FusionGroup subgraphs are
-/// cleaned too (their outputs are all kept). Follows SPEC 1.1's pass of the same name.
+/// cleaned too (their outputs are all kept). Follows the seed's pass of the same name (docs/seed-system.md §1.8).
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/ir/graph.hpp>
 
 namespace stagejit::passes {
@@ -31,3 +32,4 @@ inline size_t eliminate_dead_code(ir::Graph& graph) {
 }
 
 }  // namespace stagejit::passes
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// `passes::fuse`: the graph fuser (SPEC 5.1, restated for our multi-output Value IR).
+/// `passes::fuse`: the graph fuser (docs/seed-system.md §5.1, restated for our multi-output Value IR).
 ///
 /// Groups maximal connected sets of fusable nodes of ONE stage into `ir::FusionGroup`
 /// nodes whose subgraph holds copies of the grouped nodes (same Op kinds and attributes,
@@ -27,8 +27,9 @@
 /// whole by every chunk. Needs the sizes of `op`'s output and operands (TensorType);
 /// skipped otherwise. This puts an LSTM cell's gate math into one group per stage.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/ir/graph.hpp>
-#include <stagejit/ops/op_def.hpp>
+#include <stagejit/ops/op_schema.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -42,10 +43,9 @@ namespace detail {
 /// True for nodes the fuser may put into a FusionGroup (see the file comment).
 inline bool is_fusable(const ir::Node& n) {
   const auto* op = n.get_if<ir::Op>();
-  if (!op || n.outputs().size() != 1 || n.has_side_effects() || op->name == "to") return false;
+  if (!op || n.outputs().size() != 1 || n.has_side_effects() || op->id() == OpId::to) return false;
   if (n.output(0)->is_handle()) return false;
-  const OpDef* def = ops::find(op->name);
-  return def && def->elementwise;
+  return op->schema().elementwise;
 }
 
 inline int64_t int_attribute(const ir::Op& op, std::string_view key, int64_t fallback) {
@@ -57,7 +57,7 @@ inline int64_t int_attribute(const ir::Op& op, std::string_view key, int64_t fal
 /// Chunk distribution for one `chunk` node (file comment). Returns true when rewritten.
 inline bool distribute_chunk(ir::Graph& graph, ir::Node* chunk) {
   const auto* cop = chunk->get_if<ir::Op>();
-  if (!cop || cop->name != "chunk" || chunk->inputs().size() != 1) return false;
+  if (!cop || cop->id() != OpId::chunk || chunk->inputs().size() != 1) return false;
   ir::Value* p = chunk->input(0);
   ir::Node* producer = p->node();
   if (!is_fusable(*producer) || producer->stage() != chunk->stage() || p->uses().size() != 1) return false;
@@ -304,3 +304,4 @@ inline size_t fuse(ir::Graph& graph) {
 }
 
 }  // namespace stagejit::passes
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -12,6 +12,7 @@
 /// by `eliminate_dead_code`. Handles are never touched. PyTorch's JIT peephole pass folds
 /// the same pattern.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/ir/graph.hpp>
 
 namespace stagejit::passes {
@@ -19,7 +20,7 @@ namespace stagejit::passes {
 namespace detail {
 inline bool is_plain_transpose(const ir::Node& n) {
   const auto* op = n.get_if<ir::Op>();
-  if (!op || op->name != "t" || !op->attributes.empty() || n.inputs().size() != 1 ||
+  if (!op || op->id() != OpId::t || !op->attributes.empty() || n.inputs().size() != 1 ||
       n.outputs().size() != 1 || n.input(0)->is_handle())
     return false;
   // at::t rejects more than 2 dimensions: a (parsed) graph saying so must keep failing.
@@ -46,3 +47,4 @@ inline size_t fold_double_transposes(ir::Graph& graph) {
 }
 
 }  // namespace stagejit::passes
+#include <stagejit/core/detail/bodies_end.hpp>

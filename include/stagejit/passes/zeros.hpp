@@ -32,6 +32,7 @@
 /// `CompileError` naming the value otherwise (the caller then keeps the unspecialised
 /// stage).
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/scalar.hpp>
 #include <stagejit/ir/graph.hpp>
@@ -88,7 +89,7 @@ class ZeroPass {
     Attributes attrs{{"size", std::vector<int64_t>(t->sizes.begin(), t->sizes.end())},
                      {"dtype", static_cast<int64_t>(t->dtype)}};
     if (!t->device.is_cpu()) attrs.emplace_back("device", t->device.str());
-    ir::Node* n = g_.create(ir::Op::with("zeros", attrs), {},
+    ir::Node* n = g_.create(ir::Op::with(OpId::zeros, attrs), {},
                             {ir::TensorType::contiguous(t->dtype, t->sizes, t->device)});
     n->set_stage(stage_ ? *stage_ : before->stage());
     n->insert_before(before);
@@ -120,41 +121,46 @@ class ZeroPass {
   }
 
   void visit_op(ir::Node* n, const ir::Op& op) {
-    const std::string_view name = op.name;
     const std::size_t k = n->inputs().size();
     auto zero = [&](std::size_t i) { return i < k && is_zero(n->input(i)); };
     bool all_zero = true;
     for (std::size_t i = 0; i < k; ++i) all_zero = all_zero && zero(i);
-    // Linear in every input (or in the one input they have).
-    static constexpr std::string_view linear[] = {
-        "mul", "mm", "matmul", "neg", "sum", "expand", "reshape", "view", "t",
-        "transpose", "unsqueeze", "squeeze", "sum_to_size", "narrow", "chunk", "to",
-        "zeros_like"};
-    for (std::string_view l : linear)
-      if (name == l) return zero_outputs(n);
-    if (name == "div") return zero(0) ? zero_outputs(n) : materialise_inputs(n);
-    if (name == "nll_loss_backward") return zero(0) ? zero_outputs(n) : materialise_inputs(n);
-    if (name == "cat" || name == "where") {
-      // where(condition, a, b): the condition is never a zero gradient; a and b are.
-      bool values_zero = name == "cat" ? all_zero : (zero(1) && zero(2));
-      return values_zero ? zero_outputs(n) : materialise_inputs(n);
-    }
-    if (name == "masked_fill")
-      return zero(0) && attr_double(op, "value", 1) == 0 ? zero_outputs(n) : materialise_inputs(n);
-    if (k == 2 && (name == "add" || name == "sub" || name == "rsub")) {
-      if (all_zero) return zero_outputs(n);
-      const double alpha = attr_double(op, "alpha", 1);
-      // add: a + alpha b; sub: a - alpha b; rsub: b - alpha a.
-      if (name == "add") return zero(0) ? forward_scaled(n, n->input(1), alpha) : forward_scaled(n, n->input(0), 1);
-      if (name == "sub") return zero(0) ? forward_scaled(n, n->input(1), -alpha) : forward_scaled(n, n->input(0), 1);
-      return zero(0) ? forward_scaled(n, n->input(1), 1) : forward_scaled(n, n->input(0), -alpha);
-    }
-    if (name == "addmm") {
-      const bool product_zero = zero(1) || zero(2);
-      const double beta = attr_double(op, "beta", 1);
-      // beta = 0: the product alone, self ignored (NaN and all), as ATen's addmm.
-      if (product_zero && (zero(0) || beta == 0)) return zero_outputs(n);
-      if (product_zero) return forward_scaled(n, n->input(0), beta);
+    switch (op.id()) {
+      // Linear in every input (or in the one input they have).
+      case OpId::mul: case OpId::mm: case OpId::matmul: case OpId::neg: case OpId::sum:
+      case OpId::expand: case OpId::reshape: case OpId::view: case OpId::t:
+      case OpId::transpose: case OpId::unsqueeze: case OpId::squeeze: case OpId::sum_to_size:
+      case OpId::narrow: case OpId::chunk: case OpId::to: case OpId::zeros_like:
+        return zero_outputs(n);
+      case OpId::div:
+      case OpId::nll_loss_backward:
+        return zero(0) ? zero_outputs(n) : materialise_inputs(n);
+      case OpId::cat:
+        return all_zero ? zero_outputs(n) : materialise_inputs(n);
+      case OpId::where:
+        // where(condition, a, b): the condition is never a zero gradient; a and b are.
+        return zero(1) && zero(2) ? zero_outputs(n) : materialise_inputs(n);
+      case OpId::masked_fill:
+        return zero(0) && attr_double(op, "value", 1) == 0 ? zero_outputs(n) : materialise_inputs(n);
+      case OpId::add: case OpId::sub: case OpId::rsub: {
+        if (k != 2) break;
+        if (all_zero) return zero_outputs(n);
+        const double alpha = attr_double(op, "alpha", 1);
+        // add: a + alpha b; sub: a - alpha b; rsub: b - alpha a.
+        if (op.id() == OpId::add) return zero(0) ? forward_scaled(n, n->input(1), alpha) : forward_scaled(n, n->input(0), 1);
+        if (op.id() == OpId::sub) return zero(0) ? forward_scaled(n, n->input(1), -alpha) : forward_scaled(n, n->input(0), 1);
+        return zero(0) ? forward_scaled(n, n->input(1), 1) : forward_scaled(n, n->input(0), -alpha);
+      }
+      case OpId::addmm: {
+        const bool product_zero = zero(1) || zero(2);
+        const double beta = attr_double(op, "beta", 1);
+        // beta = 0: the product alone, self ignored (NaN and all), as ATen's addmm.
+        if (product_zero && (zero(0) || beta == 0)) return zero_outputs(n);
+        if (product_zero) return forward_scaled(n, n->input(0), beta);
+        break;
+      }
+      default:
+        break;  // any other op (or one the table lacks) reads its zeros as tensors
     }
     materialise_inputs(n);
   }
@@ -169,7 +175,7 @@ class ZeroPass {
       return materialise_inputs(n);  // a broadcast or cast hides in the op: keep it
     ir::Value* result = v;
     if (scale != 1) {
-      ir::Node* m = g_.create(ir::Op::with("mul", {{"other", scale}}), {v}, {out->type()});
+      ir::Node* m = g_.create(ir::Op::with(OpId::mul, {{"other", scale}}), {v}, {out->type()});
       m->set_stage(n->stage());
       m->insert_before(n);
       result = m->output();
@@ -308,3 +314,4 @@ inline std::vector<ir::Value*> propagate_zeros(ir::Graph& graph, std::size_t sta
 }
 
 }  // namespace stagejit::passes
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -5,8 +5,10 @@
 /// abort instead of being counted). ATen is included first, glog's macros are removed,
 /// and doctest is included last; include guards keep glog from coming back.
 ///
-/// In-header test cases are written inside `#ifdef STAGEJIT_TESTING` blocks that
-/// include this header; users never define `STAGEJIT_TESTING`, so they pay nothing.
+/// In-header test cases are written inside `#ifdef STAGEJIT_HEADER_TEST_CASES` blocks
+/// that include this header. One translation unit of the test executable defines it
+/// (test/headers/header_cases.cpp), so each case compiles once; users never define it,
+/// so they pay nothing.
 
 #include <ATen/ATen.h>
 

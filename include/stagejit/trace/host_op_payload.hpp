@@ -4,6 +4,7 @@
 /// function again (the IR interpreter and the closure compiler's HostCall use it) and the
 /// requires_grad flag each tensor input had when traced.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
 
 #include <vector>
@@ -17,3 +18,4 @@ struct HostOpPayload {
 };
 
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -7,11 +7,13 @@
 /// Function its Handle input holds. It is the simple oracle that the closure compiler
 /// and the fuser are checked against; it is not fast.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/core/error.hpp>
+#include <stagejit/core/overloaded.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
 #include <stagejit/ops/op_def.hpp>
@@ -81,39 +83,43 @@ inline variable_list interpret(const ir::Graph& graph, const variable_list& inpu
     variable_list out;
     std::shared_ptr<Function> out_handle;
     bool has_handle_out = !n->outputs().empty() && n->outputs().back()->is_handle();
+    auto capture_handle = [&] {
+      if (!has_handle_out) return;
+      for (const auto& o : out)
+        if (o.defined() && o.grad_fn()) { out_handle = o.grad_fn(); break; }
+    };
+    auto no_autograd = [&](std::string_view what) {
+      detail::throw_error<CompileError>("interpret: node ", n->describe(), " (", what,
+                                        ") has no backward formula; the reference interpreter "
+                                        "runs only differentiable kinds");
+    };
     std::visit(
-        [&](const auto& kind) {
-          using K = std::decay_t<decltype(kind)>;
-          if constexpr (std::is_same_v<K, ir::Constant>) {
-            out.push_back(Variable(kind.value.clone()));
-          } else if constexpr (std::is_same_v<K, ir::Undefined>) {
-            out.push_back(Variable());
-          } else if constexpr (std::is_same_v<K, ir::Op>) {
-            const OpDef& def = ops::get(kind.name);
-            out = ops::apply(def, in, detail::to_core_attributes(kind.attributes));
-          } else if constexpr (std::is_same_v<K, ir::HostOp>) {
-            auto payload = std::static_pointer_cast<HostOpPayload>(kind.payload);
-            STAGEJIT_CHECK_AS(CompileError, payload && payload->call, "interpret: HostOp ",
-                              n->describe(), " has no callable (only traced graphs can run "
-                              "host functions)");
-            out = payload->call(in);
-            if (has_handle_out) {
-              for (const auto& o : out)
-                if (o.defined() && o.grad_fn()) { out_handle = o.grad_fn(); break; }
-            }
-          } else if constexpr (std::is_same_v<K, ir::Eval>) {
-            STAGEJIT_CHECK_AS(CompileError, handle, "interpret: Eval ", n->describe(),
-                              " has no Handle input");
-            out = handle->apply(in);
-            if (has_handle_out) {
-              for (const auto& o : out)
-                if (o.defined() && o.grad_fn()) { out_handle = o.grad_fn(); break; }
-            }
-          } else {
-            detail::throw_error<CompileError>("interpret: node ", n->describe(),
-                                              " has a kind the reference interpreter does "
-                                              "not run");
-          }
+        Overloaded{
+            [&](const ir::Constant& kind) { out.push_back(Variable(kind.value.clone())); },
+            [&](const ir::Undefined&) { out.push_back(Variable()); },
+            [&](const ir::Op& kind) {
+              out = ops::apply(ops::def(kind.schema()), in, detail::to_core_attributes(kind.attributes));
+            },
+            [&](const ir::HostOp& kind) {
+              auto payload = std::static_pointer_cast<HostOpPayload>(kind.payload);
+              STAGEJIT_CHECK_AS(CompileError, payload && payload->call, "interpret: HostOp ",
+                                n->describe(), " has no callable (only traced graphs can run "
+                                "host functions)");
+              out = payload->call(in);
+              capture_handle();
+            },
+            [&](const ir::Eval&) {
+              STAGEJIT_CHECK_AS(CompileError, handle, "interpret: Eval ", n->describe(),
+                                " has no Handle input");
+              out = handle->apply(in);
+              capture_handle();
+            },
+            [&](const ir::FusionGroup&) { no_autograd("a fusion group: interpret the graph before fusion"); },
+            [&](const ir::Transpose&) { no_autograd("Transpose"); },
+            [&](const ir::Reshape&) { no_autograd("Reshape"); },
+            [&](const ir::Gemm&) { no_autograd("Gemm"); },
+            [&](const ir::Param&) { detail::throw_error<CompileError>("interpret: a Param in the node list"); },
+            [&](const ir::Return&) { detail::throw_error<CompileError>("interpret: a Return in the node list"); },
         },
         n->kind());
     std::size_t tensor_outputs = n->outputs().size() - (has_handle_out ? 1 : 0);
@@ -136,3 +142,4 @@ inline variable_list interpret(const ir::Graph& graph, const variable_list& inpu
 }
 
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -4,6 +4,7 @@
 /// `ir::to_attribute`): f -> double, i -> int64_t, is -> vector<int64_t>,
 /// fs -> vector<double>, s -> string. Tensor and graph attributes have no op-table form.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/scalar.hpp>
 #include <stagejit/ir/attributes.hpp>
@@ -35,3 +36,4 @@ inline Attributes to_core_attributes(const ir::AttributeList& attrs) {
 }
 
 }  // namespace stagejit::detail
+#include <stagejit/core/detail/bodies_end.hpp>

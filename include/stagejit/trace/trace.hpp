@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// The multi-stage tracer (seed SPEC.md section 2; API.md "Tracing").
+/// The multi-stage tracer (docs/seed-system.md §2; docs/api.md "Tracing").
 ///
 /// `trace(fn, inputs, {.derivatives = k})` runs `fn` once on fresh leaf Variables that
 /// share the inputs' tensors and records every op into one `ir::Graph` at stage 0 (the
@@ -23,6 +23,7 @@
 /// single-threaded so the recorded order is deterministic). Ops run elsewhere are not
 /// affected and pay one thread-local pointer check.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/core/error.hpp>
@@ -44,7 +45,7 @@ struct TraceOptions {
 /// A function traced by `trace` and compiled by `compile`.
 using traced_fn = std::function<variable_list(const variable_list&)>;
 
-/// What the trace saw of one Variable (SPEC 2.1 VariableFlags without `volatile`).
+/// What the trace saw of one Variable (docs/seed-system.md §2.1 VariableFlags without `volatile`).
 struct VariableFlags {
   bool defined = false;
   bool requires_grad = false;
@@ -59,7 +60,7 @@ struct VariableFlags {
 };
 
 /// Per stage: flags of the stage's inputs (stage 0: the traced inputs; s >= 1: the grad
-/// outputs fed to it) and of its outputs (SPEC 2.5).
+/// outputs fed to it) and of its outputs (docs/seed-system.md §2.5).
 struct StageFlags {
   std::vector<VariableFlags> inputs;
   std::vector<VariableFlags> outputs;
@@ -88,11 +89,11 @@ class Trace {
   }
   /// Number of stages (derivatives + 1).
   std::size_t num_stages() const noexcept { return flags_.size(); }
-  /// Input and output flags of stage `s` (SPEC 2.5).
+  /// Input and output flags of stage `s` (docs/seed-system.md §2.5).
   const StageFlags& flags(std::size_t s) const { return flags_.at(s); }
   /// For s >= 1: the autograd edges stage s's outputs flow into at trace time (the
   /// gradient edges of the earlier-stage inputs they are gradients of), aligned with the
-  /// stage's outputs. Empty for stage 0 (SPEC 2.5).
+  /// stage's outputs. Empty for stage 0 (docs/seed-system.md §2.5).
   /// Throws Error after `drop_eager_results`.
   const std::vector<Edge>& output_edges(std::size_t s) const {
     check_eager("output_edges");
@@ -144,3 +145,4 @@ Trace trace(const traced_fn& fn, const variable_list& inputs, TraceOptions optio
 }  // namespace stagejit
 
 #include <stagejit/trace/detail/tracer_impl.hpp>
+#include <stagejit/core/detail/bodies_end.hpp>

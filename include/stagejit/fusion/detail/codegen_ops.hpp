@@ -7,9 +7,10 @@
 /// template's scalar C form (fmadd for add/sub/rsub, NaN-propagating clamp/relu/maximum/
 /// minimum, pow's special exponents, comparisons yielding 1/0, blends for where/masked_fill).
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/ir/graph.hpp>
-#include <stagejit/ops/op_def.hpp>
+#include <stagejit/ops/op_schema.hpp>
 
 #include <algorithm>
 #include <cctype>
@@ -56,7 +57,7 @@ inline std::string literal(double x) {
 inline std::optional<double> number_attribute(const ir::Op& op, std::string_view key) {
   if (const ir::AttributeValue* v = op.attribute(key)) {
     if (auto d = ir::attribute_as<double>(*v)) return *d;
-    throw FusionError("fusion: attribute '" + std::string(key) + "' of op '" + op.name +
+    throw FusionError("fusion: attribute '" + std::string(key) + "' of op '" + std::string(op.name()) +
                       "' must be a number, got kind '" + std::string(ir::attribute_kind(*v)) + "'");
   }
   return std::nullopt;
@@ -69,7 +70,8 @@ inline std::string finalise_template(std::string_view tpl, const ir::Op& op, con
   std::string out;
   size_t i = 0;
   auto fail = [&](const std::string& why) {
-    throw FusionError("fusion: cannot finalise the template '" + std::string(tpl) + "' of op '" + op.name + "': " + why);
+    throw FusionError("fusion: cannot finalise the template '" + std::string(tpl) + "' of op '" +
+                      std::string(op.name()) + "': " + why);
   };
   while (i < tpl.size()) {
     const char c = tpl[i];
@@ -117,10 +119,10 @@ inline std::string op_expression(const ir::Node& node, const std::vector<std::st
                                  const std::vector<bool>& operand_bool, bool& result_bool) {
   const auto* op = node.get_if<ir::Op>();
   if (!op) throw FusionError("fusion: node #" + std::to_string(node.id()) + " (" + node.describe() + ") is not an op");
-  const OpDef* def = ops::find(op->name);
-  if (!def || !def->elementwise)
-    throw FusionError("fusion: op '" + op->name + "' is not elementwise and cannot be fused");
-  const std::string& name = op->name;
+  const OpSchema& schema = op->schema();
+  const std::string name(op->name());
+  if (!schema.elementwise)
+    throw FusionError("fusion: op '" + name + "' is not elementwise and cannot be fused");
   std::vector<std::string> a = operands;
   auto need = [&](size_t n) {
     if (a.size() != n)
@@ -136,82 +138,89 @@ inline std::string op_expression(const ir::Node& node, const std::vector<std::st
     }
   };
   result_bool = false;
-  if (name == "add" || name == "sub" || name == "rsub") {
-    scalar_second("other");
-    need(2);
-    double alpha = number_attribute(*op, "alpha").value_or(1.0);
-    if (name != "add") alpha = -alpha;
-    // ATen's vectorised add is fmadd(other, alpha, self); sub is add with -alpha;
-    // rsub(self, other) is sub(other, self).
-    if (name == "rsub") return "at::vec::fmadd(" + a[0] + ", " + literal(alpha) + ", " + a[1] + ")";
-    return "at::vec::fmadd(" + a[1] + ", " + literal(alpha) + ", " + a[0] + ")";
-  }
-  if (name == "mul" || name == "div") scalar_second("other");
-  if (name == "pow") {
-    if (a.size() == 1) {
-      // ATen's pow_tensor_scalar special cases.
-      const double e = number_attribute(*op, "exponent").value_or(1.0);
-      const std::string& x = a[0];
-      if (e == 0.5) return x + ".sqrt()";
-      if (e == 2) return "(" + x + " * " + x + ")";
-      if (e == 3) return "(" + x + " * " + x + " * " + x + ")";
-      if (e == -0.5) return x + ".rsqrt()";
-      if (e == -1) return x + ".reciprocal()";
-      if (e == -2) return "(" + x + " * " + x + ").reciprocal()";
-      // Known gap: ATen's scalar tail loop uses the double exponent, its vector loop T(e);
-      // we use T(e) everywhere, so float results can differ by a few ulp from eager for
-      // exponents not representable in float.
-      return x + ".pow(" + literal(e) + ")";
+  switch (op->id()) {
+    case OpId::add:
+    case OpId::sub:
+    case OpId::rsub: {
+      scalar_second("other");
+      need(2);
+      double alpha = number_attribute(*op, "alpha").value_or(1.0);
+      if (op->id() != OpId::add) alpha = -alpha;
+      // ATen's vectorised add is fmadd(other, alpha, self); sub is add with -alpha;
+      // rsub(self, other) is sub(other, self).
+      if (op->id() == OpId::rsub) return "at::vec::fmadd(" + a[0] + ", " + literal(alpha) + ", " + a[1] + ")";
+      return "at::vec::fmadd(" + a[1] + ", " + literal(alpha) + ", " + a[0] + ")";
     }
-    need(2);
-    return a[0] + ".pow(" + a[1] + ")";
+    case OpId::mul:
+    case OpId::div:
+      scalar_second("other");
+      break;  // the template
+    case OpId::pow: {
+      if (a.size() == 1) {
+        // ATen's pow_tensor_scalar special cases.
+        const double e = number_attribute(*op, "exponent").value_or(1.0);
+        const std::string& x = a[0];
+        if (e == 0.5) return x + ".sqrt()";
+        if (e == 2) return "(" + x + " * " + x + ")";
+        if (e == 3) return "(" + x + " * " + x + " * " + x + ")";
+        if (e == -0.5) return x + ".rsqrt()";
+        if (e == -1) return x + ".reciprocal()";
+        if (e == -2) return "(" + x + " * " + x + ").reciprocal()";
+        // Known gap: ATen's scalar tail loop uses the double exponent, its vector loop T(e);
+        // we use T(e) everywhere, so float results can differ by a few ulp from eager for
+        // exponents not representable in float.
+        return x + ".pow(" + literal(e) + ")";
+      }
+      need(2);
+      return a[0] + ".pow(" + a[1] + ")";
+    }
+    case OpId::relu:
+      need(1);
+      return "at::vec::clamp_min(" + a[0] + ", " + literal(0) + ")";
+    case OpId::clamp: {
+      need(1);
+      auto lo = number_attribute(*op, "min"), hi = number_attribute(*op, "max");
+      if (lo && hi) return "at::vec::clamp(" + a[0] + ", " + literal(*lo) + ", " + literal(*hi) + ")";
+      if (lo) return "at::vec::clamp_min(" + a[0] + ", " + literal(*lo) + ")";
+      if (hi) return "at::vec::clamp_max(" + a[0] + ", " + literal(*hi) + ")";
+      return a[0];
+    }
+    case OpId::maximum:
+    case OpId::minimum:
+      need(2);
+      return "at::vec::" + name + "(" + a[0] + ", " + a[1] + ")";
+    case OpId::sign:
+      need(1);
+      return "sjf::sign(" + a[0] + ")";
+    case OpId::eq: case OpId::ne: case OpId::lt: case OpId::le: case OpId::gt: case OpId::ge:
+      // Vectorized's comparison members of the same names yield 1/0.
+      scalar_second("other");
+      need(2);
+      result_bool = true;
+      return a[0] + "." + name + "(" + a[1] + ")";
+    case OpId::logical_and:
+      need(2);
+      result_bool = true;
+      return "(" + a[0] + ".ne(" + literal(0) + ") * " + a[1] + ".ne(" + literal(0) + "))";
+    case OpId::where:
+      need(3);
+      result_bool = operand_bool[1] && operand_bool[2];
+      return "V::blendv(" + a[2] + ", " + a[1] + ", " + a[0] + " != " + literal(0) + ")";
+    case OpId::masked_fill: {
+      need(2);
+      auto v = number_attribute(*op, "value");
+      if (!v) throw FusionError("fusion: op 'masked_fill' needs attribute 'value'");
+      result_bool = operand_bool[0];
+      return "V::blendv(" + a[0] + ", " + literal(*v) + ", " + a[1] + " != " + literal(0) + ")";
+    }
+    case OpId::to:
+      throw FusionError("fusion: op 'to' (a dtype cast) is not fused");
+    default:
+      break;  // the template
   }
-  if (name == "relu") {
-    need(1);
-    return "at::vec::clamp_min(" + a[0] + ", " + literal(0) + ")";
-  }
-  if (name == "clamp") {
-    need(1);
-    auto lo = number_attribute(*op, "min"), hi = number_attribute(*op, "max");
-    if (lo && hi) return "at::vec::clamp(" + a[0] + ", " + literal(*lo) + ", " + literal(*hi) + ")";
-    if (lo) return "at::vec::clamp_min(" + a[0] + ", " + literal(*lo) + ")";
-    if (hi) return "at::vec::clamp_max(" + a[0] + ", " + literal(*hi) + ")";
-    return a[0];
-  }
-  if (name == "maximum" || name == "minimum") {
-    need(2);
-    return "at::vec::" + name + "(" + a[0] + ", " + a[1] + ")";
-  }
-  if (name == "sign") {
-    need(1);
-    return "sjf::sign(" + a[0] + ")";
-  }
-  if (name == "eq" || name == "ne" || name == "lt" || name == "le" || name == "gt" || name == "ge") {
-    scalar_second("other");
-    need(2);
-    result_bool = true;
-    return a[0] + "." + name + "(" + a[1] + ")";
-  }
-  if (name == "logical_and") {
-    need(2);
-    result_bool = true;
-    return "(" + a[0] + ".ne(" + literal(0) + ") * " + a[1] + ".ne(" + literal(0) + "))";
-  }
-  if (name == "where") {
-    need(3);
-    result_bool = operand_bool[1] && operand_bool[2];
-    return "V::blendv(" + a[2] + ", " + a[1] + ", " + a[0] + " != " + literal(0) + ")";
-  }
-  if (name == "masked_fill") {
-    need(2);
-    auto v = number_attribute(*op, "value");
-    if (!v) throw FusionError("fusion: op 'masked_fill' needs attribute 'value'");
-    result_bool = operand_bool[0];
-    return "V::blendv(" + a[0] + ", " + literal(*v) + ", " + a[1] + " != " + literal(0) + ")";
-  }
-  if (name == "to") throw FusionError("fusion: op 'to' (a dtype cast) is not fused");
-  if (def->fusion_template.empty()) throw FusionError("fusion: op '" + name + "' has no fusion template");
-  return finalise_template(def->fusion_template, *op, a);
+  if (schema.fusion_template.empty()) throw FusionError("fusion: op '" + name + "' has no fusion template");
+  return finalise_template(schema.fusion_template, *op, a);
 }
 
 }  // namespace stagejit::fusion::detail
+#include <stagejit/core/detail/bodies_end.hpp>

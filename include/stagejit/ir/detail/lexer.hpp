@@ -4,6 +4,7 @@
 /// first error in the text is the one reported. `#` starts a comment to the end of
 /// the line.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <cctype>
 #include <cstddef>
 #include <string>
@@ -174,3 +175,4 @@ class Lexer {
 };
 
 }  // namespace stagejit::ir::detail
+#include <stagejit/core/detail/bodies_end.hpp>

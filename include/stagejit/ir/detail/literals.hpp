@@ -11,6 +11,7 @@
 ///   sizes, as in types. Complex and undefined tensors print as `<Tensor>` and
 ///   `<undefined>` and cannot be parsed back.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
 #include <charconv>
@@ -155,7 +156,7 @@ inline bool set_element(at::Tensor& t, int64_t i, std::string_view text) {
 
 }  // namespace stagejit::ir::detail
 
-#ifdef STAGEJIT_TESTING
+#ifdef STAGEJIT_HEADER_TEST_CASES
 #include <stagejit/testing/doctest.hpp>
 TEST_SUITE("ir") {
   TEST_CASE("format_double is exact and always reads as a double") {
@@ -180,3 +181,4 @@ TEST_SUITE("ir") {
   }
 }
 #endif
+#include <stagejit/core/detail/bodies_end.hpp>

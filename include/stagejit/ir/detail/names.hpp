@@ -4,6 +4,7 @@
 /// messages: a value with a debug name prints as `%name`; the others are numbered
 /// `%0, %1, ...` in print order (graph inputs, then node outputs in list order).
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <string>
 #include <unordered_map>
 
@@ -42,3 +43,4 @@ class NameTable {
 };
 
 }  // namespace stagejit::ir::detail
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -1,6 +1,7 @@
 #pragma once
 // Implementation of trace() (see trace/trace.hpp). Internal.
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/trace/trace.hpp>
 #include <stagejit/autograd/engine.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
@@ -58,14 +59,14 @@ class TracingState final : public TraceHook {
     graph_->register_output(value, stage);
   }
 
-  void record_op(std::string_view op, const Attributes& attrs, const variable_list& inputs,
+  void record_op(const OpSchema& op, const Attributes& attrs, const variable_list& inputs,
                  const variable_list& outputs) override {
     std::lock_guard<std::mutex> lock(mutex_);
     std::vector<ir::Value*> in = values_for(inputs);
     std::vector<ir::Type> types;
     types.reserve(outputs.size());
     for (const auto& o : outputs) types.push_back(type_of(o));
-    ir::Node* n = graph_->create_and_append(ir::Op::with(std::string(op), attrs), in, types);
+    ir::Node* n = graph_->create_and_append(ir::Op::with(op.id, attrs), in, types);
     for (std::size_t i = 0; i < outputs.size(); ++i)
       if (outputs[i].defined()) bind(outputs[i], n->output(i));
   }
@@ -249,3 +250,4 @@ inline Trace trace(const traced_fn& fn, const variable_list& inputs, TraceOption
 }
 
 }  // namespace stagejit
+#include <stagejit/core/detail/bodies_end.hpp>

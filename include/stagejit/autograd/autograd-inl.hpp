@@ -1,5 +1,12 @@
-// Variable, grad mode, trace hook, saved variables, Function kinds' apply, callbacks,
-// grad()/backward(), host functions and Eval.
+#pragma once
+/// \file
+/// Variable, grad mode, trace hook, saved variables, Function kinds' apply, callbacks,
+/// grad()/backward(), host functions and Eval.
+///
+/// Function bodies (core/config.hpp): compiled once in src/compiled_bodies.cpp, or
+/// inline in every translation unit of a header-only build.
+#include <stagejit/core/config.hpp>
+#include <stagejit/core/overloaded.hpp>
 #include <stagejit/autograd/callbacks.hpp>
 #include <stagejit/autograd/engine.hpp>
 #include <stagejit/autograd/eval.hpp>
@@ -22,39 +29,41 @@
 namespace stagejit {
 
 // ------------------------------------------------------------------ grad mode, trace hook
-namespace {
-thread_local bool t_grad_enabled = true;
-thread_local TraceHook* t_trace_hook = nullptr;
+namespace detail::autograd_impl {
+inline thread_local bool t_grad_enabled = true;
+inline thread_local TraceHook* t_trace_hook = nullptr;
 
-std::string shape_str(at::IntArrayRef s) {
+STAGEJIT_FUNC std::string shape_str(at::IntArrayRef s) {
   std::ostringstream os;
   os << s;
   return os.str();
 }
-}  // namespace
+}  // namespace detail::autograd_impl
+using namespace detail::autograd_impl;
 
-bool GradMode::is_enabled() noexcept { return t_grad_enabled; }
-void GradMode::set_enabled(bool enabled) noexcept { t_grad_enabled = enabled; }
-TraceHook* current_trace_hook() noexcept { return t_trace_hook; }
-void set_current_trace_hook(TraceHook* hook) noexcept { t_trace_hook = hook; }
+STAGEJIT_FUNC bool GradMode::is_enabled() noexcept { return t_grad_enabled; }
+STAGEJIT_FUNC void GradMode::set_enabled(bool enabled) noexcept { t_grad_enabled = enabled; }
+STAGEJIT_FUNC TraceHook* current_trace_hook() noexcept { return t_trace_hook; }
+STAGEJIT_FUNC void set_current_trace_hook(TraceHook* hook) noexcept { t_trace_hook = hook; }
 
 // ------------------------------------------------------------------ Variable
-namespace {
-const at::Tensor& undefined_tensor() {
+namespace detail::autograd_impl {
+STAGEJIT_FUNC const at::Tensor& undefined_tensor() {
   static const at::Tensor t;
   return t;
 }
-const std::shared_ptr<Function>& null_function() {
+STAGEJIT_FUNC const std::shared_ptr<Function>& null_function() {
   static const std::shared_ptr<Function> f;
   return f;
 }
-at::Tensor strip(at::Tensor data) {
+STAGEJIT_FUNC at::Tensor strip(at::Tensor data) {
   if (data.defined() && data.requires_grad()) return data.detach();
   return data;
 }
-}  // namespace
+}  // namespace detail::autograd_impl
+using namespace detail::autograd_impl;
 
-Variable::Variable(at::Tensor data, bool requires_grad) {
+STAGEJIT_FUNC Variable::Variable(at::Tensor data, bool requires_grad) {
   if (!data.defined()) {
     STAGEJIT_CHECK(!requires_grad, "Variable: an undefined tensor cannot require grad");
     return;
@@ -64,7 +73,7 @@ Variable::Variable(at::Tensor data, bool requires_grad) {
   if (requires_grad) set_requires_grad(true);
 }
 
-Variable::Variable(at::Tensor data, Edge edge) {
+STAGEJIT_FUNC Variable::Variable(at::Tensor data, Edge edge) {
   if (!data.defined()) return;
   impl_ = std::make_shared<detail::VariableImpl>();
   impl_->data = strip(std::move(data));
@@ -72,15 +81,15 @@ Variable::Variable(at::Tensor data, Edge edge) {
   impl_->output_nr = edge.input_nr;
 }
 
-const at::Tensor& Variable::data() const noexcept {
+STAGEJIT_FUNC const at::Tensor& Variable::data() const noexcept {
   return impl_ ? impl_->data : undefined_tensor();
 }
 
-const std::shared_ptr<Function>& Variable::grad_fn() const noexcept {
+STAGEJIT_FUNC const std::shared_ptr<Function>& Variable::grad_fn() const noexcept {
   return impl_ ? impl_->grad_fn : null_function();
 }
 
-void Variable::set_requires_grad(bool requires_grad) {
+STAGEJIT_FUNC void Variable::set_requires_grad(bool requires_grad) {
   STAGEJIT_CHECK(impl_, "set_requires_grad on an undefined Variable");
   STAGEJIT_CHECK(is_leaf(), "set_requires_grad: only leaves can be marked (this Variable has "
                  "grad_fn '", impl_->grad_fn->name(), "')");
@@ -91,7 +100,7 @@ void Variable::set_requires_grad(bool requires_grad) {
   impl_->requires_grad = requires_grad;
 }
 
-Edge Variable::gradient_edge() const {
+STAGEJIT_FUNC Edge Variable::gradient_edge() const {
   if (!impl_) return {};
   if (impl_->grad_fn) return Edge{impl_->grad_fn, impl_->output_nr};
   if (!impl_->requires_grad) return {};
@@ -104,30 +113,30 @@ Edge Variable::gradient_edge() const {
   return Edge{acc, 0};
 }
 
-void Variable::set_gradient_edge(Edge edge) const {
+STAGEJIT_FUNC void Variable::set_gradient_edge(Edge edge) const {
   STAGEJIT_CHECK(impl_, "set_gradient_edge on an undefined Variable");
   impl_->grad_fn = std::move(edge.function);
   impl_->output_nr = edge.input_nr;
 }
 
-Variable Variable::grad() const {
+STAGEJIT_FUNC Variable Variable::grad() const {
   if (!impl_) return {};
   std::lock_guard<std::mutex> lock(impl_->mutex);
   return Variable::from_impl(impl_->grad);
 }
 
-void Variable::set_grad(const Variable& grad) const {
+STAGEJIT_FUNC void Variable::set_grad(const Variable& grad) const {
   STAGEJIT_CHECK(impl_, "set_grad on an undefined Variable");
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->grad = grad.impl();
 }
 
-void Variable::backward(const Variable& grad_output, bool create_graph) const {
+STAGEJIT_FUNC void Variable::backward(const Variable& grad_output, bool create_graph) const {
   stagejit::backward({*this}, {grad_output}, create_graph);
 }
 
 // ------------------------------------------------------------------ SavedVariable
-SavedVariable::SavedVariable(const Variable& v, bool is_output) {
+STAGEJIT_FUNC SavedVariable::SavedVariable(const Variable& v, bool is_output) {
   if (!v.defined()) return;
   data_ = v.data();
   is_output_ = is_output;
@@ -140,7 +149,7 @@ SavedVariable::SavedVariable(const Variable& v, bool is_output) {
   }
 }
 
-Variable SavedVariable::unpack(const std::shared_ptr<Function>& owner) const {
+STAGEJIT_FUNC Variable SavedVariable::unpack(const std::shared_ptr<Function>& owner) const {
   if (!data_.defined()) return {};
   if (!is_output_) return Variable::from_impl(input_);
   if (auto alive = output_.lock()) return Variable::from_impl(std::move(alive));
@@ -148,25 +157,19 @@ Variable SavedVariable::unpack(const std::shared_ptr<Function>& owner) const {
   return Variable(data_, Edge{owner, output_nr_});
 }
 
-void SavedVariable::reset() noexcept {
+STAGEJIT_FUNC void SavedVariable::reset() noexcept {
   data_.reset();
   input_.reset();
   output_.reset();
 }
 
 // ------------------------------------------------------------------ Function kinds
-namespace {
+namespace detail::autograd_impl {
 
-template <class... F>
-struct Overloaded : F... {
-  using F::operator()...;
-};
-template <class... F>
-Overloaded(F...) -> Overloaded<F...>;
 
-variable_list undefined_list(std::size_t n) { return variable_list(n); }
+STAGEJIT_FUNC variable_list undefined_list(std::size_t n) { return variable_list(n); }
 
-void accumulate(detail::VariableImpl& var, const Variable& incoming) {
+STAGEJIT_FUNC void accumulate(detail::VariableImpl& var, const Variable& incoming) {
   if (!incoming.defined()) return;
   STAGEJIT_CHECK_AS(ShapeError, incoming.sizes() == var.data.sizes(),
                     "AccumulateGrad: gradient of shape ", shape_str(incoming.sizes()),
@@ -186,7 +189,7 @@ void accumulate(detail::VariableImpl& var, const Variable& incoming) {
   }
 }
 
-variable_list apply_op_backward(Function& self, OpBackward& ob, variable_list& grads) {
+STAGEJIT_FUNC variable_list apply_op_backward(Function& self, OpBackward& ob, variable_list& grads) {
   STAGEJIT_CHECK(!ob.released, "Function '", self.name(),
                  "': saved variables were already freed (run the earlier backward with "
                  "keep_graph = true)");
@@ -227,18 +230,19 @@ variable_list apply_op_backward(Function& self, OpBackward& ob, variable_list& g
 variable_list apply_host_backward(Function& self, HostBackward& hb, variable_list& grads);
 variable_list apply_eval(Function& self, Eval& ev, variable_list& grads);
 
-void check_one_undefined(const Function& self, const variable_list& inputs) {
+STAGEJIT_FUNC void check_one_undefined(const Function& self, const variable_list& inputs) {
   STAGEJIT_CHECK(inputs.size() == 1 && !inputs[0].defined(), "Function '", self.name(),
                  "' expects exactly one undefined input (got ", inputs.size(), " inputs)");
 }
 
-}  // namespace
+}  // namespace detail::autograd_impl
+using namespace detail::autograd_impl;
 
-std::string Function::name() const {
+STAGEJIT_FUNC std::string Function::name() const {
   return std::visit(
       Overloaded{
           [](const AccumulateGrad&) -> std::string { return "AccumulateGrad"; },
-          [](const OpBackward& o) -> std::string { return std::string(o.op->backward_name); },
+          [](const OpBackward& o) -> std::string { return o.op ? std::string(o.op->backward_name) : "OpBackward"; },
           [](const HostBackward& h) -> std::string { return h.name + "Backward"; },
           [](const ErrorFunction&) -> std::string { return "Error"; },
           [](const Eval&) -> std::string { return "Eval"; },
@@ -252,9 +256,10 @@ std::string Function::name() const {
             return s.fn ? "SimpleEval(" + s.fn->name() + ")" : "SimpleEval";
           },
           [](const EmitNull&) -> std::string { return "EmitNull"; },
-          [](const Lambda& l) -> std::string {
-            return l.op ? "Lambda(" + std::string(l.op->name) + ")" : "Lambda";
+          [](const OpCall& c) -> std::string {
+            return c.op ? "OpCall(" + std::string(c.op->name) + ")" : "OpCall";
           },
+          [](const AtenCall& c) -> std::string { return "AtenCall(" + std::string(c.name) + ")"; },
           [](const HostCall& h) -> std::string { return "HostCall(" + h.name + ")"; },
           [](const WrapConstant&) -> std::string { return "WrapConstant"; },
           [](const ConstantFactory&) -> std::string { return "ConstantFactory"; },
@@ -266,7 +271,7 @@ std::string Function::name() const {
       kind);
 }
 
-variable_list Function::apply(variable_list inputs) {
+STAGEJIT_FUNC variable_list Function::apply(variable_list inputs) {
   const std::size_t n = next_functions.size();
   return std::visit(
       Overloaded{
@@ -300,10 +305,17 @@ variable_list Function::apply(variable_list inputs) {
             return s.fn->apply(std::move(inputs));
           },
           [&](EmitNull&) { return undefined_list(1); },
-          [&](Lambda& l) -> variable_list {
-            if (l.op) return ops::apply(*l.op, inputs, l.attrs);
-            STAGEJIT_CHECK(l.fn, "Lambda without an op or a callable");
-            return l.fn(inputs);
+          [&](OpCall& c) -> variable_list {
+            STAGEJIT_CHECK(c.op, "OpCall without an op");
+            if (c.op->max_inputs == 0) {
+              check_one_undefined(*this, inputs);
+              return ops::apply(*c.op, {}, c.attrs);
+            }
+            return ops::apply(*c.op, inputs, c.attrs);
+          },
+          [&](AtenCall& c) -> variable_list {
+            STAGEJIT_CHECK(c.fn, "AtenCall '", c.name, "' without a callable");
+            return c.fn(inputs);
           },
           [&](HostCall& h) -> variable_list {
             STAGEJIT_CHECK(h.call, "HostCall '", h.name, "' without a callable");
@@ -332,7 +344,7 @@ variable_list Function::apply(variable_list inputs) {
       kind);
 }
 
-void Function::release_variables() {
+STAGEJIT_FUNC void Function::release_variables() {
   if (auto* o = std::get_if<OpBackward>(&kind)) {
     for (auto& s : o->saved_inputs) s.reset();
     for (auto& s : o->saved_outputs) s.reset();
@@ -341,44 +353,76 @@ void Function::release_variables() {
 }
 
 // ------------------------------------------------------------------ callbacks
-bool run_callback(const CallbackPolicy& policy, Function& fn, variable_list& inputs,
+STAGEJIT_FUNC bool run_callback(const CallbackPolicy& policy, Function& fn, variable_list& inputs,
                   variable_list* outputs, CallState* state) {
   auto need_state = [&](const char* what) {
     STAGEJIT_CHECK(state, "callback ", what, " on Function '", fn.name(),
-                   "' needs a CallState");
+                   "' needs a CallState (pass one to execute)");
+  };
+  auto need_outputs = [&](const char* what) {
+    STAGEJIT_CHECK(outputs, what, " is a post callback (Function '", fn.name(), "')");
+  };
+  // The grad_fn of the first defined output that has one: the opaque backward a host
+  // function or a Handle made (null when none did).
+  auto first_grad_fn = [](const variable_list& outs) -> std::shared_ptr<Function> {
+    for (const auto& o : outs)
+      if (o.defined() && o.grad_fn()) return o.grad_fn();
+    return nullptr;
+  };
+  auto store_handle = [&](std::size_t slot, std::shared_ptr<Function> h) {
+    std::lock_guard<std::mutex> lock(state->mutex);
+    if (state->handles.size() <= slot) state->handles.resize(slot + 1);
+    state->handles[slot] = std::move(h);
   };
   return std::visit(
       Overloaded{
-          [&](const CaptureValue& c) {
-            need_state("CaptureValue");
-            STAGEJIT_CHECK(c.input < inputs.size(), "CaptureValue: Function '", fn.name(),
+          [&](const CaptureInput& c) {
+            need_state("CaptureInput");
+            STAGEJIT_CHECK(c.input < inputs.size(), "CaptureInput: Function '", fn.name(),
                            "' has no input ", c.input);
             std::lock_guard<std::mutex> lock(state->mutex);
             if (state->values.size() <= c.slot) state->values.resize(c.slot + 1);
             state->values[c.slot] = inputs[c.input];
+            return !c.stop;
+          },
+          [&](const CaptureOutput& c) {
+            need_state("CaptureOutput");
+            need_outputs("CaptureOutput");
+            STAGEJIT_CHECK(c.output < outputs->size(), "CaptureOutput: Function '", fn.name(),
+                           "' has no output ", c.output);
+            std::lock_guard<std::mutex> lock(state->mutex);
+            if (state->values.size() <= c.slot) state->values.resize(c.slot + 1);
+            state->values[c.slot] = (*outputs)[c.output];
             return true;
           },
           [&](const CaptureHandle& c) {
             need_state("CaptureHandle");
-            STAGEJIT_CHECK(outputs && c.output < outputs->size(), "CaptureHandle: Function '",
-                           fn.name(), "' has no output ", c.output,
-                           " (CaptureHandle is a post callback)");
-            std::lock_guard<std::mutex> lock(state->mutex);
-            if (state->handles.size() <= c.slot) state->handles.resize(c.slot + 1);
-            state->handles[c.slot] = (*outputs)[c.output].grad_fn();
+            need_outputs("CaptureHandle");
+            store_handle(c.slot, first_grad_fn(*outputs));
             return true;
           },
           [&](const RunHandle& r) {
             need_state("RunHandle");
-            STAGEJIT_CHECK(outputs, "RunHandle is a post callback (Function '", fn.name(), "')");
+            need_outputs("RunHandle");
             std::shared_ptr<Function> h;
             {
               std::lock_guard<std::mutex> lock(state->mutex);
-              if (r.slot < state->handles.size()) h = state->handles[r.slot];
+              if (r.in_slot < state->handles.size()) h = state->handles[r.in_slot];
             }
-            STAGEJIT_CHECK(h, "RunHandle: no handle captured in slot ", r.slot,
-                           " for Function '", fn.name(), "'");
-            *outputs = h->apply(inputs);
+            STAGEJIT_CHECK(h, "closure: Eval ", r.where, " received no Handle (the opaque "
+                           "function it stands for made no backward in this call)");
+            {
+              // Mirror the trace: the incoming gradients required grad when a further
+              // stage followed, which decides the shape of the next opaque backward.
+              AutoGradMode grad_mode(r.makes_handle);
+              variable_list grads;
+              grads.reserve(inputs.size());
+              for (auto& g : inputs) grads.push_back(g.defined() ? Variable(g.data(), r.makes_handle) : g);
+              *outputs = h->apply(std::move(grads));
+            }
+            STAGEJIT_CHECK(outputs->size() == r.expected, "closure: Eval ", r.where, " returned ",
+                           outputs->size(), " gradients, the trace recorded ", r.expected);
+            if (r.out_slot >= 0) store_handle(static_cast<std::size_t>(r.out_slot), first_grad_fn(*outputs));
             return true;
           },
           [&](const CaptureOutputs&) {
@@ -393,9 +437,9 @@ bool run_callback(const CallbackPolicy& policy, Function& fn, variable_list& inp
 }
 
 // ------------------------------------------------------------------ grad(), backward()
-namespace {
+namespace detail::autograd_impl {
 
-void make_roots(const variable_list& outputs, const variable_list& grad_outputs,
+STAGEJIT_FUNC void make_roots(const variable_list& outputs, const variable_list& grad_outputs,
                 std::vector<Edge>& roots, variable_list& grads) {
   STAGEJIT_CHECK(!outputs.empty(), "grad/backward: no outputs given");
   STAGEJIT_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(),
@@ -422,9 +466,10 @@ void make_roots(const variable_list& outputs, const variable_list& grad_outputs,
   }
 }
 
-}  // namespace
+}  // namespace detail::autograd_impl
+using namespace detail::autograd_impl;
 
-variable_list grad(const variable_list& outputs, const variable_list& inputs,
+STAGEJIT_FUNC variable_list grad(const variable_list& outputs, const variable_list& inputs,
                    const variable_list& grad_outputs, bool create_graph, bool allow_unused) {
   std::vector<Edge> roots;
   variable_list grads;
@@ -448,7 +493,7 @@ variable_list grad(const variable_list& outputs, const variable_list& inputs,
   return res;
 }
 
-void backward(const variable_list& outputs, const variable_list& grad_outputs,
+STAGEJIT_FUNC void backward(const variable_list& outputs, const variable_list& grad_outputs,
               bool create_graph) {
   std::vector<Edge> roots;
   variable_list grads;
@@ -459,7 +504,7 @@ void backward(const variable_list& outputs, const variable_list& grad_outputs,
 }
 
 // ------------------------------------------------------------------ host functions
-variable_list HostContext::get_saved_variables() const {
+STAGEJIT_FUNC variable_list HostContext::get_saved_variables() const {
   if (!finalized_) return to_save_;
   auto owner = owner_.lock();
   variable_list out;
@@ -468,7 +513,7 @@ variable_list HostContext::get_saved_variables() const {
   return out;
 }
 
-void HostContext::finalize(const variable_list& outputs, const std::shared_ptr<Function>& owner) {
+STAGEJIT_FUNC void HostContext::finalize(const variable_list& outputs, const std::shared_ptr<Function>& owner) {
   owner_ = owner;
   saved_.clear();
   for (const auto& v : to_save_) {
@@ -482,7 +527,7 @@ void HostContext::finalize(const variable_list& outputs, const std::shared_ptr<F
 
 namespace detail {
 
-std::shared_ptr<Function> finish_host_call(
+STAGEJIT_FUNC std::shared_ptr<Function> finish_host_call(
     const std::string& name, const std::shared_ptr<HostContext>& ctx,
     const variable_list& inputs, variable_list& outputs,
     std::function<variable_list(HostContext*, variable_list)> backward, bool traceable,
@@ -521,9 +566,9 @@ std::shared_ptr<Function> finish_host_call(
 
 }  // namespace detail
 
-namespace {
+namespace detail::autograd_impl {
 
-variable_list apply_host_backward(Function& self, HostBackward& hb, variable_list& grads) {
+STAGEJIT_FUNC variable_list apply_host_backward(Function& self, HostBackward& hb, variable_list& grads) {
   TraceHook* hook = hb.traceable ? nullptr : current_trace_hook();
   variable_list grads_in = grads;
   variable_list results;
@@ -555,7 +600,7 @@ variable_list apply_host_backward(Function& self, HostBackward& hb, variable_lis
 }
 
 // ------------------------------------------------------------------ Eval
-variable_list apply_eval(Function& self, Eval& ev, variable_list& grads) {
+STAGEJIT_FUNC variable_list apply_eval(Function& self, Eval& ev, variable_list& grads) {
   TraceHook* hook = current_trace_hook();
   const std::size_t n = self.next_functions.size();
   variable_list results(n);
@@ -569,21 +614,16 @@ variable_list apply_eval(Function& self, Eval& ev, variable_list& grads) {
   }
   if (!roots.empty()) {
     ExecuteCallbacks cbs;
-    std::mutex m;
-    for (std::size_t i = 0; i < ev.placeholders.size(); ++i) {
-      cbs.pre.emplace(ev.placeholders[i].get(),
-                      GenericCallback{[&results, &m, i](Function&, variable_list& in,
-                                                        variable_list*, CallState*) {
-                        std::lock_guard<std::mutex> lock(m);
-                        if (!in.empty()) results[i] = in[0];
-                        return false;
-                      }});
-    }
+    for (std::size_t i = 0; i < ev.placeholders.size(); ++i)
+      cbs.pre.emplace(ev.placeholders[i].get(), CaptureInput{0, i, /*stop=*/true});
+    CallState state;
+    state.values.resize(n);
     ExecuteOptions opts;
     opts.create_graph = GradMode::is_enabled();
     opts.keep_graph = true;
     TraceHookGuard suspend(nullptr);
-    execute(roots, root_grads, opts, cbs);
+    execute(roots, root_grads, opts, cbs, &state);
+    for (std::size_t i = 0; i < n && i < state.values.size(); ++i) results[i] = std::move(state.values[i]);
   }
   for (std::size_t i = 0; i < n; ++i)
     if (!self.next_functions[i].is_valid()) results[i] = Variable();
@@ -602,11 +642,12 @@ struct EdgeHash {
   }
 };
 
-}  // namespace
+}  // namespace detail::autograd_impl
+using namespace detail::autograd_impl;
 
 namespace eval {
 
-std::shared_ptr<Function> wrap(const variable_list& inputs, const variable_list& outputs,
+STAGEJIT_FUNC std::shared_ptr<Function> wrap(const variable_list& inputs, const variable_list& outputs,
                                const std::shared_ptr<Function>& inherited) {
   // Note [Eval boundary]: an edge ends the subgraph when it is the gradient edge of an
   // input or the outer edge of an inherited placeholder (new placeholders are patched in),
@@ -694,7 +735,7 @@ std::shared_ptr<Function> wrap(const variable_list& inputs, const variable_list&
   return fn;
 }
 
-std::shared_ptr<Function> backward_eval(const variable_list& outputs) {
+STAGEJIT_FUNC std::shared_ptr<Function> backward_eval(const variable_list& outputs) {
   for (const auto& o : outputs)
     if (o.defined() && o.requires_grad())
       return (o.grad_fn() && o.grad_fn()->is<Eval>()) ? o.grad_fn() : nullptr;

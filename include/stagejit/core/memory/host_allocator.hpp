@@ -25,6 +25,7 @@
 /// Blocks are 64-byte aligned like c10's. Thread-safe. The allocator objects are never
 /// destroyed (tensors may outlive static destructors).
 
+#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
@@ -40,7 +41,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace stagejit::fusion {
+namespace stagejit::memory {
 
 class HostCachingAllocator final : public c10::Allocator {
  public:
@@ -271,4 +272,5 @@ inline bool install_host_cache() {
   return router && c10::GetCPUAllocator() == router;
 }
 
-}  // namespace stagejit::fusion
+}  // namespace stagejit::memory
+#include <stagejit/core/detail/bodies_end.hpp>

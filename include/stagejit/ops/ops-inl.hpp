@@ -1,7 +1,13 @@
-// The differentiable op table and the op free functions (include/stagejit/ops/).
-// Forwards call ATen; backward formulas are written with stagejit ops so that they are
-// differentiable again and reported to the trace hook. Formulas follow libtorch 1.13's
-// derivatives.yaml (same operations in the same order, so results agree to rounding).
+#pragma once
+/// \file
+/// The differentiable op table and the op free functions (include/stagejit/ops/).
+/// Forwards call ATen; backward formulas are written with stagejit ops so that they are
+/// differentiable again and reported to the trace hook. Formulas follow libtorch 1.13's
+/// derivatives.yaml (same operations in the same order, so results agree to rounding).
+///
+/// Function bodies (core/config.hpp): compiled once in src/compiled_bodies.cpp, or
+/// inline in every translation unit of a header-only build.
+#include <stagejit/core/config.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
@@ -16,47 +22,48 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <optional>
 #include <string>
 #include <unordered_map>
 
 namespace stagejit {
-namespace {
+namespace detail::ops_impl {
 
 using Tensors = std::vector<at::Tensor>;
 
 // ------------------------------------------------------------------ attributes
-const Scalar* find_attr(const Attributes& a, std::string_view n) {
+STAGEJIT_FUNC const Scalar* find_attr(const Attributes& a, std::string_view n) {
   for (const auto& [k, v] : a)
     if (k == n) return &v;
   return nullptr;
 }
 
-const Scalar& need_attr(const Attributes& a, std::string_view n) {
+STAGEJIT_FUNC const Scalar& need_attr(const Attributes& a, std::string_view n) {
   const Scalar* s = find_attr(a, n);
   STAGEJIT_CHECK(s, "missing attribute '", n, "'");
   return *s;
 }
 
-double as_double(const Scalar& s, std::string_view n) {
+STAGEJIT_FUNC double as_double(const Scalar& s, std::string_view n) {
   if (auto* d = std::get_if<double>(&s)) return *d;
   if (auto* i = std::get_if<int64_t>(&s)) return static_cast<double>(*i);
   if (auto* b = std::get_if<bool>(&s)) return *b ? 1.0 : 0.0;
   throw Error(detail::str_cat("attribute '", n, "' must be a number"));
 }
 
-double attr_double(const Attributes& a, std::string_view n, double dflt) {
+STAGEJIT_FUNC double attr_double(const Attributes& a, std::string_view n, double dflt) {
   const Scalar* s = find_attr(a, n);
   return s ? as_double(*s, n) : dflt;
 }
 
-std::optional<double> attr_opt_double(const Attributes& a, std::string_view n) {
+STAGEJIT_FUNC std::optional<double> attr_opt_double(const Attributes& a, std::string_view n) {
   const Scalar* s = find_attr(a, n);
   if (!s) return std::nullopt;
   return as_double(*s, n);
 }
 
-at::Scalar attr_scalar(const Attributes& a, std::string_view n, std::optional<double> dflt = {}) {
+STAGEJIT_FUNC at::Scalar attr_scalar(const Attributes& a, std::string_view n, std::optional<double> dflt = {}) {
   const Scalar* s = find_attr(a, n);
   if (!s) {
     STAGEJIT_CHECK(dflt, "missing attribute '", n, "'");
@@ -68,7 +75,7 @@ at::Scalar attr_scalar(const Attributes& a, std::string_view n, std::optional<do
   throw Error(detail::str_cat("attribute '", n, "' must be a number"));
 }
 
-int64_t attr_int(const Attributes& a, std::string_view n, std::optional<int64_t> dflt = {}) {
+STAGEJIT_FUNC int64_t attr_int(const Attributes& a, std::string_view n, std::optional<int64_t> dflt = {}) {
   const Scalar* s = find_attr(a, n);
   if (!s) {
     STAGEJIT_CHECK(dflt, "missing attribute '", n, "'");
@@ -79,7 +86,7 @@ int64_t attr_int(const Attributes& a, std::string_view n, std::optional<int64_t>
   throw Error(detail::str_cat("attribute '", n, "' must be an integer"));
 }
 
-bool attr_bool(const Attributes& a, std::string_view n, bool dflt) {
+STAGEJIT_FUNC bool attr_bool(const Attributes& a, std::string_view n, bool dflt) {
   const Scalar* s = find_attr(a, n);
   if (!s) return dflt;
   if (auto* b = std::get_if<bool>(s)) return *b;
@@ -87,52 +94,52 @@ bool attr_bool(const Attributes& a, std::string_view n, bool dflt) {
   throw Error(detail::str_cat("attribute '", n, "' must be a bool"));
 }
 
-std::vector<int64_t> attr_ints(const Attributes& a, std::string_view n) {
+STAGEJIT_FUNC std::vector<int64_t> attr_ints(const Attributes& a, std::string_view n) {
   const Scalar& s = need_attr(a, n);
   if (auto* v = std::get_if<std::vector<int64_t>>(&s)) return *v;
   if (auto* i = std::get_if<int64_t>(&s)) return {*i};
   throw Error(detail::str_cat("attribute '", n, "' must be a list of integers"));
 }
 
-std::vector<int64_t> vec(at::IntArrayRef r) { return std::vector<int64_t>(r.begin(), r.end()); }
-std::vector<int64_t> meta_sizes(const BackwardArgs& a, std::size_t i) {
+STAGEJIT_FUNC std::vector<int64_t> vec(at::IntArrayRef r) { return std::vector<int64_t>(r.begin(), r.end()); }
+STAGEJIT_FUNC std::vector<int64_t> meta_sizes(const BackwardArgs& a, std::size_t i) {
   return std::vector<int64_t>(a.input_meta[i].sizes.begin(), a.input_meta[i].sizes.end());
 }
 
 Variable zeros_of(std::vector<int64_t> size, const at::TensorOptions& o);
 
 // ------------------------------------------------------------------ forwards
-Tensors one(at::Tensor t) { return {std::move(t)}; }
+STAGEJIT_FUNC Tensors one(at::Tensor t) { return {std::move(t)}; }
 
 #define SJ_UNARY(NAME) [](const Tensors& in, const Attributes&) { return one(at::NAME(in[0])); }
 
 // ------------------------------------------------------------------ backward helpers
-const Variable& G(const BackwardArgs& a, std::size_t i = 0) { return a.grads[i]; }
-const Variable& In(const BackwardArgs& a, std::size_t i) { return a.inputs[i]; }
-const Variable& Out(const BackwardArgs& a, std::size_t i = 0) { return a.outputs[i]; }
+STAGEJIT_FUNC const Variable& G(const BackwardArgs& a, std::size_t i = 0) { return a.grads[i]; }
+STAGEJIT_FUNC const Variable& In(const BackwardArgs& a, std::size_t i) { return a.inputs[i]; }
+STAGEJIT_FUNC const Variable& Out(const BackwardArgs& a, std::size_t i = 0) { return a.outputs[i]; }
 
 // Gradients of mm(m1, m2) with respect to m1 and m2, as libtorch's mm_mat1_backward /
 // mm_mat2_backward compute them: when the matrix was column-major (a transposed view, as
 // `t(W)` in a linear layer), the gradient is computed in that layout, so the gradient of
 // the parameter behind it comes out contiguous and an optimizer update reads it in order.
-bool column_major(const Variable& m) {
+STAGEJIT_FUNC bool column_major(const Variable& m) {
   const at::Tensor& d = m.data();
   return d.dim() == 2 && d.stride(0) == 1 && d.stride(1) == d.size(0);
 }
 // `a @ b` for the mm op: thin shapes through LIBXSMM (ops/small_gemm.hpp), else ATen.
-at::Tensor matrix_product(const at::Tensor& a, const at::Tensor& b) {
+STAGEJIT_FUNC at::Tensor matrix_product(const at::Tensor& a, const at::Tensor& b) {
   if (auto p = ops::small_mm(a, b)) return *p;
   return at::mm(a, b);
 }
 
-Variable mm_mat1_grad(const Variable& g, const Variable& m1, const Variable& m2) {
+STAGEJIT_FUNC Variable mm_mat1_grad(const Variable& g, const Variable& m1, const Variable& m2) {
   return column_major(m1) ? t(mm(m2, t(g))) : mm(g, t(m2));
 }
-Variable mm_mat2_grad(const Variable& g, const Variable& m1, const Variable& m2) {
+STAGEJIT_FUNC Variable mm_mat2_grad(const Variable& g, const Variable& m1, const Variable& m2) {
   return column_major(m2) ? t(mm(t(g), m1)) : mm(t(m1), g);
 }
 
-Variable reduce_backward(const BackwardArgs& a) {
+STAGEJIT_FUNC Variable reduce_backward(const BackwardArgs& a) {
   auto sizes = meta_sizes(a, 0);
   Variable g = G(a);
   if (!find_attr(a.attrs, "dim")) return expand(g, sizes);
@@ -146,7 +153,7 @@ Variable reduce_backward(const BackwardArgs& a) {
   return expand(g, sizes);
 }
 
-double reduced_count(const BackwardArgs& a) {
+STAGEJIT_FUNC double reduced_count(const BackwardArgs& a) {
   auto sizes = meta_sizes(a, 0);
   if (!find_attr(a.attrs, "dim")) {
     double n = 1;
@@ -159,14 +166,20 @@ double reduced_count(const BackwardArgs& a) {
   return n;
 }
 
-std::vector<OpDef> build_table() {
-  std::vector<OpDef> table;
-  auto def = [&](OpDef d) { table.push_back(d); };
+// The table, indexed by OpId: each op's schema (ops/op_schema.hpp) with its forward and
+// backward formula. Every id gets exactly one entry (checked when the table is built).
+STAGEJIT_FUNC std::array<OpDef, num_ops> build_table() {
+  std::array<OpDef, num_ops> table{};
+  std::array<bool, num_ops> filled{};
+  auto def = [&](OpId id, decltype(OpDef::forward) forward, decltype(OpDef::backward) backward) {
+    const auto i = static_cast<std::size_t>(id);
+    if (filled[i]) throw Error(detail::str_cat("op table: op '", op_name(id), "' is defined twice"));
+    filled[i] = true;
+    table[i] = OpDef{op_schema(id), forward, backward};
+  };
 
   // ---- arithmetic (scalar forms: one input plus attribute `other`)
-  def({"add", 1, 2, true, true, 0, false, "other (scalar form), alpha (default 1)",
-       "($0 + $alpha * $1)",
-       [](const Tensors& in, const Attributes& a) {
+  def(OpId::add, [](const Tensors& in, const Attributes& a) {
          auto alpha = attr_scalar(a, "alpha", 1.0);
          return one(in.size() == 2 ? at::add(in[0], in[1], alpha)
                                    : at::add(in[0], attr_scalar(a, "other"), alpha));
@@ -177,11 +190,8 @@ std::vector<OpDef> build_table() {
          if (a.grads.size() && a.input_meta.size() == 2 && a.needs(1))
            r.push_back(alpha == 1 ? G(a) : mul(G(a), alpha));
          return r;
-       },
-       "AddBackward"});
-  def({"sub", 1, 2, true, true, 0, false, "other (scalar form), alpha (default 1)",
-       "($0 - $alpha * $1)",
-       [](const Tensors& in, const Attributes& a) {
+       });
+  def(OpId::sub, [](const Tensors& in, const Attributes& a) {
          auto alpha = attr_scalar(a, "alpha", 1.0);
          return one(in.size() == 2 ? at::sub(in[0], in[1], alpha)
                                    : at::sub(in[0], attr_scalar(a, "other"), alpha));
@@ -191,11 +201,8 @@ std::vector<OpDef> build_table() {
          variable_list r{G(a)};
          if (a.input_meta.size() == 2 && a.needs(1)) r.push_back(mul(G(a), -alpha));
          return r;
-       },
-       "SubBackward"});
-  def({"rsub", 1, 2, true, true, 0, false, "other (scalar form), alpha (default 1): other - alpha * self",
-       "($1 - $alpha * $0)",
-       [](const Tensors& in, const Attributes& a) {
+       });
+  def(OpId::rsub, [](const Tensors& in, const Attributes& a) {
          auto alpha = attr_scalar(a, "alpha", 1.0);
          return one(in.size() == 2 ? at::rsub(in[0], in[1], alpha)
                                    : at::rsub(in[0], attr_scalar(a, "other"), alpha));
@@ -205,75 +212,59 @@ std::vector<OpDef> build_table() {
          variable_list r{a.needs(0) ? mul(G(a), -alpha) : Variable()};
          if (a.input_meta.size() == 2) r.push_back(G(a));
          return r;
-       },
-       "RsubBackward"});
-  def({"mul", 1, 2, true, true, 0b11, false, "other (scalar form)", "($0 * $1)",
-       [](const Tensors& in, const Attributes& a) {
+       });
+  def(OpId::mul, [](const Tensors& in, const Attributes& a) {
          return one(in.size() == 2 ? at::mul(in[0], in[1]) : at::mul(in[0], attr_scalar(a, "other")));
        },
        [](const BackwardArgs& a) -> variable_list {
          if (a.input_meta.size() == 1) return {mul(G(a), attr_double(a.attrs, "other", 1))};
          return {a.needs(0) ? mul(G(a), In(a, 1)) : Variable(),
                  a.needs(1) ? mul(G(a), In(a, 0)) : Variable()};
-       },
-       "MulBackward"});
-  def({"div", 1, 2, true, true, 0b11, false, "other (scalar form)", "($0 / $1)",
-       [](const Tensors& in, const Attributes& a) {
+       });
+  def(OpId::div, [](const Tensors& in, const Attributes& a) {
          return one(in.size() == 2 ? at::div(in[0], in[1]) : at::div(in[0], attr_scalar(a, "other")));
        },
        [](const BackwardArgs& a) -> variable_list {
          if (a.input_meta.size() == 1) return {div(G(a), attr_double(a.attrs, "other", 1))};
          return {a.needs(0) ? div(G(a), In(a, 1)) : Variable(),
                  a.needs(1) ? mul(neg(G(a)), div(div(In(a, 0), In(a, 1)), In(a, 1))) : Variable()};
-       },
-       "DivBackward"});
+       });
 
   // ---- unary elementwise
-  def({"neg", 1, 1, true, true, 0, false, "", "(-$0)", SJ_UNARY(neg),
-       [](const BackwardArgs& a) -> variable_list { return {neg(G(a))}; }, "NegBackward"});
-  def({"exp", 1, 1, true, true, 0, true, "", "exp($0)", SJ_UNARY(exp),
-       [](const BackwardArgs& a) -> variable_list { return {mul(G(a), Out(a))}; }, "ExpBackward"});
-  def({"log", 1, 1, true, true, 0b1, false, "", "log($0)", SJ_UNARY(log),
-       [](const BackwardArgs& a) -> variable_list { return {div(G(a), In(a, 0))}; }, "LogBackward"});
-  def({"tanh", 1, 1, true, true, 0, true, "", "tanh($0)", SJ_UNARY(tanh),
+  def(OpId::neg, SJ_UNARY(neg),
+       [](const BackwardArgs& a) -> variable_list { return {neg(G(a))}; });
+  def(OpId::exp, SJ_UNARY(exp),
+       [](const BackwardArgs& a) -> variable_list { return {mul(G(a), Out(a))}; });
+  def(OpId::log, SJ_UNARY(log),
+       [](const BackwardArgs& a) -> variable_list { return {div(G(a), In(a, 0))}; });
+  def(OpId::tanh, SJ_UNARY(tanh),
        [](const BackwardArgs& a) -> variable_list {
          return {mul(G(a), rsub(mul(Out(a), Out(a)), 1.0))};
-       },
-       "TanhBackward"});
-  def({"sigmoid", 1, 1, true, true, 0, true, "", "(1 / (1 + exp(-$0)))", SJ_UNARY(sigmoid),
+       });
+  def(OpId::sigmoid, SJ_UNARY(sigmoid),
        [](const BackwardArgs& a) -> variable_list {
          return {mul(mul(G(a), rsub(Out(a), 1.0)), Out(a))};
-       },
-       "SigmoidBackward"});
-  def({"relu", 1, 1, true, true, 0, true, "", "($0 <= 0 ? 0 : $0)", SJ_UNARY(relu),
+       });
+  def(OpId::relu, SJ_UNARY(relu),
        [](const BackwardArgs& a) -> variable_list {
          return {masked_fill(G(a), le(Out(a), 0.0), 0.0)};
-       },
-       "ReluBackward"});
-  def({"sqrt", 1, 1, true, true, 0, true, "", "sqrt($0)", SJ_UNARY(sqrt),
-       [](const BackwardArgs& a) -> variable_list { return {div(G(a), mul(Out(a), 2.0))}; },
-       "SqrtBackward"});
-  def({"rsqrt", 1, 1, true, true, 0, true, "", "(1 / sqrt($0))", SJ_UNARY(rsqrt),
+       });
+  def(OpId::sqrt, SJ_UNARY(sqrt),
+       [](const BackwardArgs& a) -> variable_list { return {div(G(a), mul(Out(a), 2.0))}; });
+  def(OpId::rsqrt, SJ_UNARY(rsqrt),
        [](const BackwardArgs& a) -> variable_list {
          return {mul(mul(G(a), -0.5), pow(Out(a), 3.0))};
-       },
-       "RsqrtBackward"});
-  def({"abs", 1, 1, true, true, 0b1, false, "", "fabs($0)", SJ_UNARY(abs),
-       [](const BackwardArgs& a) -> variable_list { return {mul(G(a), sign(In(a, 0)))}; },
-       "AbsBackward"});
-  def({"sin", 1, 1, true, true, 0b1, false, "", "sin($0)", SJ_UNARY(sin),
-       [](const BackwardArgs& a) -> variable_list { return {mul(G(a), cos(In(a, 0)))}; },
-       "SinBackward"});
-  def({"cos", 1, 1, true, true, 0b1, false, "", "cos($0)", SJ_UNARY(cos),
-       [](const BackwardArgs& a) -> variable_list { return {mul(G(a), neg(sin(In(a, 0))))}; },
-       "CosBackward"});
-  def({"reciprocal", 1, 1, true, true, 0, true, "", "(1 / $0)", SJ_UNARY(reciprocal),
-       [](const BackwardArgs& a) -> variable_list { return {mul(neg(G(a)), mul(Out(a), Out(a)))}; },
-       "ReciprocalBackward"});
-  def({"sign", 1, 1, true, false, 0, false, "", "(($0 > 0) - ($0 < 0))", SJ_UNARY(sign), nullptr,
-       "SignBackward"});
-  def({"pow", 1, 2, true, true, 0b11, true, "exponent (scalar form)", "pow($0, $1)",
-       [](const Tensors& in, const Attributes& a) {
+       });
+  def(OpId::abs, SJ_UNARY(abs),
+       [](const BackwardArgs& a) -> variable_list { return {mul(G(a), sign(In(a, 0)))}; });
+  def(OpId::sin, SJ_UNARY(sin),
+       [](const BackwardArgs& a) -> variable_list { return {mul(G(a), cos(In(a, 0)))}; });
+  def(OpId::cos, SJ_UNARY(cos),
+       [](const BackwardArgs& a) -> variable_list { return {mul(G(a), neg(sin(In(a, 0))))}; });
+  def(OpId::reciprocal, SJ_UNARY(reciprocal),
+       [](const BackwardArgs& a) -> variable_list { return {mul(neg(G(a)), mul(Out(a), Out(a)))}; });
+  def(OpId::sign, SJ_UNARY(sign), nullptr);
+  def(OpId::pow, [](const Tensors& in, const Attributes& a) {
          return one(in.size() == 2 ? at::pow(in[0], in[1]) : at::pow(in[0], attr_scalar(a, "exponent")));
        },
        [](const BackwardArgs& a) -> variable_list {
@@ -289,27 +280,20 @@ std::vector<OpDef> build_table() {
          if (a.needs(1))
            r[1] = mul(G(a), masked_fill(mul(Out(a), log(x)), logical_and(eq(x, 0.0), ge(e, 0.0)), 0.0));
          return r;
-       },
-       "PowBackward"});
-  def({"maximum", 2, 2, true, true, 0b11, false, "", "(($0 != $0 || $0 > $1) ? $0 : $1)",
-       [](const Tensors& in, const Attributes&) { return one(at::maximum(in[0], in[1])); },
+       });
+  def(OpId::maximum, [](const Tensors& in, const Attributes&) { return one(at::maximum(in[0], in[1])); },
        [](const BackwardArgs& a) -> variable_list {
          Variable tie = where(eq(In(a, 0), In(a, 1)), mul(G(a), 0.5), G(a));
          return {a.needs(0) ? masked_fill(tie, lt(In(a, 0), In(a, 1)), 0.0) : Variable(),
                  a.needs(1) ? masked_fill(tie, gt(In(a, 0), In(a, 1)), 0.0) : Variable()};
-       },
-       "MaximumBackward"});
-  def({"minimum", 2, 2, true, true, 0b11, false, "", "(($0 != $0 || $0 < $1) ? $0 : $1)",
-       [](const Tensors& in, const Attributes&) { return one(at::minimum(in[0], in[1])); },
+       });
+  def(OpId::minimum, [](const Tensors& in, const Attributes&) { return one(at::minimum(in[0], in[1])); },
        [](const BackwardArgs& a) -> variable_list {
          Variable tie = where(eq(In(a, 0), In(a, 1)), mul(G(a), 0.5), G(a));
          return {a.needs(0) ? masked_fill(tie, gt(In(a, 0), In(a, 1)), 0.0) : Variable(),
                  a.needs(1) ? masked_fill(tie, lt(In(a, 0), In(a, 1)), 0.0) : Variable()};
-       },
-       "MinimumBackward"});
-  def({"clamp", 1, 1, true, true, 0b1, false, "min (optional), max (optional)",
-       "fmin(fmax($0, $min), $max)",
-       [](const Tensors& in, const Attributes& a) {
+       });
+  def(OpId::clamp, [](const Tensors& in, const Attributes& a) {
          c10::optional<at::Scalar> lo, hi;
          if (find_attr(a, "min")) lo = attr_scalar(a, "min");
          if (find_attr(a, "max")) hi = attr_scalar(a, "max");
@@ -324,34 +308,27 @@ std::vector<OpDef> build_table() {
          else if (hi) cond = le(x, *hi);
          else return {G(a)};
          return {where(cond, G(a), zeros_like(G(a)))};
-       },
-       "ClampBackward"});
-  def({"where", 3, 3, true, true, 0b1, false, "inputs: condition (bool), self, other",
-       "($0 ? $1 : $2)",
-       [](const Tensors& in, const Attributes&) { return one(at::where(in[0], in[1], in[2])); },
+       });
+  def(OpId::where, [](const Tensors& in, const Attributes&) { return one(at::where(in[0], in[1], in[2])); },
        [](const BackwardArgs& a) -> variable_list {
          Variable z = zeros_like(G(a));
          return {Variable(), a.needs(1) ? where(In(a, 0), G(a), z) : Variable(),
                  a.needs(2) ? where(In(a, 0), z, G(a)) : Variable()};
-       },
-       "WhereBackward"});
-  def({"masked_fill", 2, 2, true, true, 0b10, false, "value; inputs: self, mask (bool)",
-       "($1 ? $value : $0)",
-       [](const Tensors& in, const Attributes& a) {
+       });
+  def(OpId::masked_fill, [](const Tensors& in, const Attributes& a) {
          return one(at::masked_fill(in[0], in[1], attr_scalar(a, "value")));
        },
        [](const BackwardArgs& a) -> variable_list {
          return {masked_fill(G(a), In(a, 1), 0.0), Variable()};
-       },
-       "MaskedFillBackward"});
+       });
 
   // ---- comparisons and helpers (not differentiable)
 #define SJ_CMP(NAME, OPSTR)                                                                  \
-  def({#NAME, 1, 2, true, false, 0, false, "other (scalar form)", "($0 " OPSTR " $1)",      \
+  def(OpId::NAME, \
        [](const Tensors& in, const Attributes& a) {                                          \
          return one(in.size() == 2 ? at::NAME(in[0], in[1]) : at::NAME(in[0], attr_scalar(a, "other"))); \
        },                                                                                    \
-       nullptr, ""});
+       nullptr);
   SJ_CMP(eq, "==")
   SJ_CMP(ne, "!=")
   SJ_CMP(lt, "<")
@@ -359,18 +336,13 @@ std::vector<OpDef> build_table() {
   SJ_CMP(gt, ">")
   SJ_CMP(ge, ">=")
 #undef SJ_CMP
-  def({"logical_and", 2, 2, true, false, 0, false, "", "($0 && $1)",
-       [](const Tensors& in, const Attributes&) { return one(at::logical_and(in[0], in[1])); },
-       nullptr, ""});
-  def({"zeros_like", 1, 1, false, false, 0, false, "", "",
-       [](const Tensors& in, const Attributes&) { return one(at::zeros_like(in[0], at::MemoryFormat::Preserve)); },
-       nullptr, ""});
-  def({"ones_like", 1, 1, false, false, 0, false, "", "",
-       [](const Tensors& in, const Attributes&) { return one(at::ones_like(in[0], at::MemoryFormat::Preserve)); },
-       nullptr, ""});
-  def({"zeros", 0, 0, false, false, 0, false,
-       "size (int list), dtype (int, at::ScalarType), device (string, optional, default cpu)", "",
-       [](const Tensors&, const Attributes& a) {
+  def(OpId::logical_and, [](const Tensors& in, const Attributes&) { return one(at::logical_and(in[0], in[1])); },
+       nullptr);
+  def(OpId::zeros_like, [](const Tensors& in, const Attributes&) { return one(at::zeros_like(in[0], at::MemoryFormat::Preserve)); },
+       nullptr);
+  def(OpId::ones_like, [](const Tensors& in, const Attributes&) { return one(at::ones_like(in[0], at::MemoryFormat::Preserve)); },
+       nullptr);
+  def(OpId::zeros, [](const Tensors&, const Attributes& a) {
          auto dtype = static_cast<at::ScalarType>(attr_int(a, "dtype"));
          at::Device dev(at::kCPU);
          if (const Scalar* s = find_attr(a, "device")) {
@@ -380,24 +352,20 @@ std::vector<OpDef> build_table() {
          }
          return one(at::zeros(attr_ints(a, "size"), at::TensorOptions().dtype(dtype).device(dev)));
        },
-       nullptr, ""});
-  def({"to", 1, 1, true, true, 0, false, "dtype (int, at::ScalarType)", "(($dtype) $0)",
-       [](const Tensors& in, const Attributes& a) {
+       nullptr);
+  def(OpId::to, [](const Tensors& in, const Attributes& a) {
          return one(in[0].to(static_cast<at::ScalarType>(attr_int(a, "dtype"))));
        },
-       [](const BackwardArgs& a) -> variable_list { return {G(a)}; },  // cast back by the caller
-       "ToBackward"});
+       [](const BackwardArgs& a) -> variable_list { return {G(a)}; }  // cast back by the caller
+      );
 
   // ---- linear algebra
-  def({"mm", 2, 2, false, true, 0b11, false, "", "",
-       [](const Tensors& in, const Attributes&) { return one(matrix_product(in[0], in[1])); },
+  def(OpId::mm, [](const Tensors& in, const Attributes&) { return one(matrix_product(in[0], in[1])); },
        [](const BackwardArgs& a) -> variable_list {
          return {a.needs(0) ? mm_mat1_grad(G(a), In(a, 0), In(a, 1)) : Variable(),
                  a.needs(1) ? mm_mat2_grad(G(a), In(a, 0), In(a, 1)) : Variable()};
-       },
-       "MmBackward"});
-  def({"matmul", 2, 2, false, true, 0b11, false, "", "",
-       [](const Tensors& in, const Attributes&) { return one(at::matmul(in[0], in[1])); },
+       });
+  def(OpId::matmul, [](const Tensors& in, const Attributes&) { return one(at::matmul(in[0], in[1])); },
        [](const BackwardArgs& a) -> variable_list {
          const Variable &x = In(a, 0), &y = In(a, 1);
          Variable x2 = x.dim() == 1 ? unsqueeze(x, 0) : x;
@@ -426,11 +394,8 @@ std::vector<OpDef> build_table() {
            r[1] = y.dim() == 1 ? reshape(gy, vec(y.sizes())) : gy;
          }
          return r;
-       },
-       "MatmulBackward"});
-  def({"addmm", 3, 3, false, true, 0b110, false, "beta (default 1), alpha (default 1); inputs: self, mat1, mat2",
-       "",
-       [](const Tensors& in, const Attributes& a) {
+       });
+  def(OpId::addmm, [](const Tensors& in, const Attributes& a) {
          const double beta = attr_double(a, "beta", 1), alpha = attr_double(a, "alpha", 1);
          // alpha = 0: ATen does not read the matrices (BLAS's contract): no fast path.
          if (auto p = alpha == 0 ? std::nullopt : ops::small_mm(in[1], in[2]);
@@ -455,65 +420,44 @@ std::vector<OpDef> build_table() {
            if (alpha != 1) r[2] = mul(r[2], alpha);
          }
          return r;
-       },
-       "AddmmBackward"});
+       });
 
   // ---- shape ops
-  def({"t", 1, 1, false, true, 0, false, "", "",
-       [](const Tensors& in, const Attributes&) { return one(at::t(in[0])); },
-       [](const BackwardArgs& a) -> variable_list { return {t(G(a))}; }, "TBackward"});
-  def({"transpose", 1, 1, false, true, 0, false, "dim0, dim1", "",
-       [](const Tensors& in, const Attributes& a) {
+  def(OpId::t, [](const Tensors& in, const Attributes&) { return one(at::t(in[0])); },
+       [](const BackwardArgs& a) -> variable_list { return {t(G(a))}; });
+  def(OpId::transpose, [](const Tensors& in, const Attributes& a) {
          return one(at::transpose(in[0], attr_int(a, "dim0"), attr_int(a, "dim1")));
        },
        [](const BackwardArgs& a) -> variable_list {
          return {transpose(G(a), attr_int(a.attrs, "dim0"), attr_int(a.attrs, "dim1"))};
-       },
-       "TransposeBackward"});
-  def({"reshape", 1, 1, false, true, 0, false, "shape (int list)", "",
-       [](const Tensors& in, const Attributes& a) { return one(at::reshape(in[0], attr_ints(a, "shape"))); },
-       [](const BackwardArgs& a) -> variable_list { return {reshape(G(a), meta_sizes(a, 0))}; },
-       "ReshapeBackward"});
-  def({"view", 1, 1, false, true, 0, false, "size (int list)", "",
-       [](const Tensors& in, const Attributes& a) { return one(in[0].view(attr_ints(a, "size"))); },
-       [](const BackwardArgs& a) -> variable_list { return {reshape(G(a), meta_sizes(a, 0))}; },
-       "ViewBackward"});
-  def({"expand", 1, 1, false, true, 0, false, "size (int list)", "",
-       [](const Tensors& in, const Attributes& a) { return one(in[0].expand(attr_ints(a, "size"))); },
-       [](const BackwardArgs& a) -> variable_list { return {sum_to_size(G(a), meta_sizes(a, 0))}; },
-       "ExpandBackward"});
-  def({"unsqueeze", 1, 1, false, true, 0, false, "dim", "",
-       [](const Tensors& in, const Attributes& a) { return one(at::unsqueeze(in[0], attr_int(a, "dim"))); },
-       [](const BackwardArgs& a) -> variable_list { return {squeeze(G(a), attr_int(a.attrs, "dim"))}; },
-       "UnsqueezeBackward"});
-  def({"squeeze", 1, 1, false, true, 0, false, "dim (optional: all size-1 dims)", "",
-       [](const Tensors& in, const Attributes& a) {
+       });
+  def(OpId::reshape, [](const Tensors& in, const Attributes& a) { return one(at::reshape(in[0], attr_ints(a, "shape"))); },
+       [](const BackwardArgs& a) -> variable_list { return {reshape(G(a), meta_sizes(a, 0))}; });
+  def(OpId::view, [](const Tensors& in, const Attributes& a) { return one(in[0].view(attr_ints(a, "size"))); },
+       [](const BackwardArgs& a) -> variable_list { return {reshape(G(a), meta_sizes(a, 0))}; });
+  def(OpId::expand, [](const Tensors& in, const Attributes& a) { return one(in[0].expand(attr_ints(a, "size"))); },
+       [](const BackwardArgs& a) -> variable_list { return {sum_to_size(G(a), meta_sizes(a, 0))}; });
+  def(OpId::unsqueeze, [](const Tensors& in, const Attributes& a) { return one(at::unsqueeze(in[0], attr_int(a, "dim"))); },
+       [](const BackwardArgs& a) -> variable_list { return {squeeze(G(a), attr_int(a.attrs, "dim"))}; });
+  def(OpId::squeeze, [](const Tensors& in, const Attributes& a) {
          return one(find_attr(a, "dim") ? at::squeeze(in[0], attr_int(a, "dim")) : at::squeeze(in[0]));
        },
-       [](const BackwardArgs& a) -> variable_list { return {reshape(G(a), meta_sizes(a, 0))}; },
-       "SqueezeBackward"});
+       [](const BackwardArgs& a) -> variable_list { return {reshape(G(a), meta_sizes(a, 0))}; });
 
   // ---- reductions
-  def({"sum", 1, 1, false, true, 0, false, "dim (int list, optional: all), keepdim (default false)", "",
-       [](const Tensors& in, const Attributes& a) {
+  def(OpId::sum, [](const Tensors& in, const Attributes& a) {
          if (!find_attr(a, "dim")) return one(at::sum(in[0]));
          return one(at::sum(in[0], attr_ints(a, "dim"), attr_bool(a, "keepdim", false)));
        },
-       [](const BackwardArgs& a) -> variable_list { return {reduce_backward(a)}; },
-       "SumBackward"});
-  def({"mean", 1, 1, false, true, 0, false, "dim (int list, optional: all), keepdim (default false)", "",
-       [](const Tensors& in, const Attributes& a) {
+       [](const BackwardArgs& a) -> variable_list { return {reduce_backward(a)}; });
+  def(OpId::mean, [](const Tensors& in, const Attributes& a) {
          if (!find_attr(a, "dim")) return one(at::mean(in[0]));
          return one(at::mean(in[0], attr_ints(a, "dim"), attr_bool(a, "keepdim", false)));
        },
-       [](const BackwardArgs& a) -> variable_list { return {div(reduce_backward(a), reduced_count(a))}; },
-       "MeanBackward"});
-  def({"sum_to_size", 1, 1, false, true, 0, false, "size (int list)", "",
-       [](const Tensors& in, const Attributes& a) { return one(in[0].sum_to_size(attr_ints(a, "size"))); },
-       [](const BackwardArgs& a) -> variable_list { return {expand(G(a), meta_sizes(a, 0))}; },
-       "SumToSizeBackward"});
-  def({"chunk", 1, 1, false, true, 0, false, "chunks, dim (default 0); one output per chunk", "",
-       [](const Tensors& in, const Attributes& a) {
+       [](const BackwardArgs& a) -> variable_list { return {div(reduce_backward(a), reduced_count(a))}; });
+  def(OpId::sum_to_size, [](const Tensors& in, const Attributes& a) { return one(in[0].sum_to_size(attr_ints(a, "size"))); },
+       [](const BackwardArgs& a) -> variable_list { return {expand(G(a), meta_sizes(a, 0))}; });
+  def(OpId::chunk, [](const Tensors& in, const Attributes& a) {
          return at::chunk(in[0], attr_int(a, "chunks"), attr_int(a, "dim", 0));
        },
        [](const BackwardArgs& a) -> variable_list {
@@ -532,10 +476,8 @@ std::vector<OpDef> build_table() {
            }
          }
          return {cat(parts, dim)};
-       },
-       "ChunkBackward"});
-  def({"cat", 1, -1, false, true, 0, false, "dim (default 0)", "",
-       [](const Tensors& in, const Attributes& a) { return one(at::cat(in, attr_int(a, "dim", 0))); },
+       });
+  def(OpId::cat, [](const Tensors& in, const Attributes& a) { return one(at::cat(in, attr_int(a, "dim", 0))); },
        [](const BackwardArgs& a) -> variable_list {
          const Variable& g = G(a);
          int64_t dim = at::maybe_wrap_dim(attr_int(a.attrs, "dim", 0), g.dim());
@@ -549,10 +491,8 @@ std::vector<OpDef> build_table() {
            offset += len;
          }
          return r;
-       },
-       "CatBackward"});
-  def({"narrow", 1, 1, false, true, 0, false, "dim, start, length", "",
-       [](const Tensors& in, const Attributes& a) {
+       });
+  def(OpId::narrow, [](const Tensors& in, const Attributes& a) {
          return one(in[0].narrow(attr_int(a, "dim"), attr_int(a, "start"), attr_int(a, "length")));
        },
        [](const BackwardArgs& a) -> variable_list {
@@ -574,41 +514,30 @@ std::vector<OpDef> build_table() {
            parts.push_back(zeros_of(s, a.input_meta[0].options));
          }
          return {parts.size() == 1 ? G(a) : cat(parts, dim)};
-       },
-       "NarrowBackward"});
+       });
 
   // ---- softmax and losses
-  def({"softmax", 1, 1, false, true, 0, true, "dim", "",
-       [](const Tensors& in, const Attributes& a) { return one(at::softmax(in[0], attr_int(a, "dim"))); },
+  def(OpId::softmax, [](const Tensors& in, const Attributes& a) { return one(at::softmax(in[0], attr_int(a, "dim"))); },
        [](const BackwardArgs& a) -> variable_list {
          int64_t dim = attr_int(a.attrs, "dim");
          return {mul(Out(a), sub(G(a), sum(mul(G(a), Out(a)), {dim}, true)))};
-       },
-       "SoftmaxBackward"});
-  def({"log_softmax", 1, 1, false, true, 0, true, "dim", "",
-       [](const Tensors& in, const Attributes& a) { return one(at::log_softmax(in[0], attr_int(a, "dim"))); },
+       });
+  def(OpId::log_softmax, [](const Tensors& in, const Attributes& a) { return one(at::log_softmax(in[0], attr_int(a, "dim"))); },
        [](const BackwardArgs& a) -> variable_list {
          int64_t dim = attr_int(a.attrs, "dim");
          return {sub(G(a), mul(exp(Out(a)), sum(G(a), {dim}, true)))};
-       },
-       "LogSoftmaxBackward"});
-  def({"nll_loss", 2, 2, false, true, 0b11, false,
-       "reduction (default 1 = mean; 0 none, 2 sum), ignore_index (default -100); inputs: self, target (int64)",
-       "",
-       [](const Tensors& in, const Attributes& a) {
+       });
+  def(OpId::nll_loss, [](const Tensors& in, const Attributes& a) {
          return one(at::nll_loss(in[0], in[1], {}, attr_int(a, "reduction", 1),
                                  attr_int(a, "ignore_index", -100)));
        },
        [](const BackwardArgs& a) -> variable_list {
          Attributes attrs{{"reduction", attr_int(a.attrs, "reduction", 1)},
                           {"ignore_index", attr_int(a.attrs, "ignore_index", -100)}};
-         return {ops::apply(ops::get("nll_loss_backward"), {G(a), In(a, 0), In(a, 1)}, attrs)[0],
+         return {ops::apply(ops::def(OpId::nll_loss_backward), {G(a), In(a, 0), In(a, 1)}, attrs)[0],
                  Variable()};
-       },
-       "NllLossBackward"});
-  def({"nll_loss_backward", 3, 3, false, true, 0b110, false,
-       "reduction, ignore_index (as nll_loss); inputs: grad_output, self, target", "",
-       [](const Tensors& in, const Attributes& a) {
+       });
+  def(OpId::nll_loss_backward, [](const Tensors& in, const Attributes& a) {
          int64_t reduction = attr_int(a, "reduction", 1), ignore = attr_int(a, "ignore_index", -100);
          auto total_weight = std::get<1>(at::nll_loss_forward(in[1], in[2], {}, reduction, ignore));
          return one(at::nll_loss_backward(in[0], in[1], in[2], {}, reduction, ignore, total_weight));
@@ -617,11 +546,9 @@ std::vector<OpDef> build_table() {
          // Linear in grad_output: its gradient is nll_loss of the incoming gradient.
          Attributes attrs{{"reduction", attr_int(a.attrs, "reduction", 1)},
                           {"ignore_index", attr_int(a.attrs, "ignore_index", -100)}};
-         return {ops::apply(ops::get("nll_loss"), {G(a), In(a, 2)}, attrs)[0], Variable(), Variable()};
-       },
-       "NllLossBackwardBackward"});
-  def({"mse_loss", 2, 2, false, true, 0b11, false, "reduction (default 1 = mean; 0 none, 2 sum)", "",
-       [](const Tensors& in, const Attributes& a) {
+         return {ops::apply(ops::def(OpId::nll_loss), {G(a), In(a, 2)}, attrs)[0], Variable(), Variable()};
+       });
+  def(OpId::mse_loss, [](const Tensors& in, const Attributes& a) {
          return one(at::mse_loss(in[0], in[1], attr_int(a, "reduction", 1)));
        },
        [](const BackwardArgs& a) -> variable_list {
@@ -629,56 +556,64 @@ std::vector<OpDef> build_table() {
          double norm = reduction == 1 ? 2.0 / static_cast<double>(In(a, 0).numel()) : 2.0;
          Variable d = mul(mul(sub(In(a, 0), In(a, 1)), norm), G(a));
          return {a.needs(0) ? d : Variable(), a.needs(1) ? neg(d) : Variable()};
-       },
-       "MseLossBackward"});
+       });
+  for (std::size_t i = 0; i < num_ops; ++i)
+    if (!filled[i])
+      throw Error(detail::str_cat("op table: op '", op_schemas[i].name, "' has no forward"));
   return table;
 }
 
 struct Table {
-  std::vector<OpDef> defs;
+  std::array<OpDef, num_ops> defs;
   std::vector<const OpDef*> all;
-  std::unordered_map<std::string_view, const OpDef*> by_name;
   Table() : defs(build_table()) {
-    for (const auto& d : defs) {
-      all.push_back(&d);
-      by_name.emplace(d.name, &d);
-    }
+    for (const auto& d : defs) all.push_back(&d);
   }
 };
 
-const Table& table() {
+STAGEJIT_FUNC const Table& table() {
   static const Table t;
   return t;
 }
 
-Variable zeros_of(std::vector<int64_t> size, const at::TensorOptions& o) {
+STAGEJIT_FUNC Variable zeros_of(std::vector<int64_t> size, const at::TensorOptions& o) {
   Attributes attrs{{"size", std::move(size)},
                    {"dtype", static_cast<int64_t>(o.dtype().toScalarType())}};
   if (!o.device().is_cpu()) attrs.emplace_back("device", o.device().str());
-  static const OpDef& d = ops::get("zeros");
+  static const OpDef& d = ops::def(OpId::zeros);
   return ops::apply(d, {}, attrs)[0];
 }
 
-}  // namespace
+}  // namespace detail::ops_impl
+using namespace detail::ops_impl;
 
 // ------------------------------------------------------------------ table access
 namespace ops {
 
-const OpDef* find(std::string_view name) noexcept {
-  const auto& t = table();
-  auto it = t.by_name.find(name);
-  return it == t.by_name.end() ? nullptr : it->second;
+STAGEJIT_FUNC const OpDef& def(OpId id) {
+  STAGEJIT_CHECK(id != OpId::unknown, "ops::def: OpId::unknown names no op of the table");
+  return table().defs[static_cast<std::size_t>(id)];
 }
 
-const OpDef& get(std::string_view name) {
+STAGEJIT_FUNC const OpDef& def(const OpSchema& schema) {
+  STAGEJIT_CHECK(schema.id != OpId::unknown, "unknown op '", schema.name, "'");
+  return def(schema.id);
+}
+
+STAGEJIT_FUNC const OpDef* find(std::string_view name) noexcept {
+  const OpId id = op_id(name);
+  return id == OpId::unknown ? nullptr : &table().defs[static_cast<std::size_t>(id)];
+}
+
+STAGEJIT_FUNC const OpDef& get(std::string_view name) {
   const OpDef* d = find(name);
   STAGEJIT_CHECK(d, "unknown op '", name, "'");
   return *d;
 }
 
-const std::vector<const OpDef*>& all() { return table().all; }
+STAGEJIT_FUNC const std::vector<const OpDef*>& all() { return table().all; }
 
-std::vector<at::Tensor> run_forward(const OpDef& op, const std::vector<at::Tensor>& inputs,
+STAGEJIT_FUNC std::vector<at::Tensor> run_forward(const OpDef& op, const std::vector<at::Tensor>& inputs,
                                     const Attributes& attrs) {
   const int n = static_cast<int>(inputs.size());
   STAGEJIT_CHECK(n >= op.min_inputs && (op.max_inputs < 0 || n <= op.max_inputs), "op '",
@@ -699,7 +634,7 @@ std::vector<at::Tensor> run_forward(const OpDef& op, const std::vector<at::Tenso
   }
 }
 
-variable_list apply(const OpDef& op, const variable_list& inputs, const Attributes& attrs) {
+STAGEJIT_FUNC variable_list apply(const OpDef& op, const variable_list& inputs, const Attributes& attrs) {
   std::vector<at::Tensor> tensors;
   tensors.reserve(inputs.size());
   bool any_requires_grad = false;
@@ -736,46 +671,47 @@ variable_list apply(const OpDef& op, const variable_list& inputs, const Attribut
   } else {
     for (auto& o : outs) results.emplace_back(std::move(o));
   }
-  if (TraceHook* hook = current_trace_hook()) hook->record_op(op.name, attrs, inputs, results);
+  if (TraceHook* hook = current_trace_hook()) hook->record_op(op, attrs, inputs, results);
   return results;
 }
 
 }  // namespace ops
 
 // ------------------------------------------------------------------ free functions
-namespace {
-Variable run1(const OpDef& d, variable_list in, const Attributes& attrs = {}) {
+namespace detail::ops_impl {
+STAGEJIT_FUNC Variable run1(const OpDef& d, variable_list in, const Attributes& attrs = {}) {
   return ops::apply(d, in, attrs)[0];
 }
-#define SJ_OP(NAME) static const OpDef& d = ops::get(NAME)
-}  // namespace
+#define SJ_OP(NAME) const OpDef& d = ops::def(OpId::NAME)
+}  // namespace detail::ops_impl
+using namespace detail::ops_impl;
 
-Variable add(const Variable& a, const Variable& b, double alpha) {
-  SJ_OP("add");
+STAGEJIT_FUNC Variable add(const Variable& a, const Variable& b, double alpha) {
+  SJ_OP(add);
   return alpha == 1 ? run1(d, {a, b}) : run1(d, {a, b}, {{"alpha", alpha}});
 }
-Variable add(const Variable& a, double other, double alpha) {
-  SJ_OP("add");
+STAGEJIT_FUNC Variable add(const Variable& a, double other, double alpha) {
+  SJ_OP(add);
   return alpha == 1 ? run1(d, {a}, {{"other", other}}) : run1(d, {a}, {{"other", other}, {"alpha", alpha}});
 }
-Variable sub(const Variable& a, const Variable& b, double alpha) {
-  SJ_OP("sub");
+STAGEJIT_FUNC Variable sub(const Variable& a, const Variable& b, double alpha) {
+  SJ_OP(sub);
   return alpha == 1 ? run1(d, {a, b}) : run1(d, {a, b}, {{"alpha", alpha}});
 }
-Variable sub(const Variable& a, double other, double alpha) {
-  SJ_OP("sub");
+STAGEJIT_FUNC Variable sub(const Variable& a, double other, double alpha) {
+  SJ_OP(sub);
   return alpha == 1 ? run1(d, {a}, {{"other", other}}) : run1(d, {a}, {{"other", other}, {"alpha", alpha}});
 }
-Variable rsub(const Variable& a, double other, double alpha) {
-  SJ_OP("rsub");
+STAGEJIT_FUNC Variable rsub(const Variable& a, double other, double alpha) {
+  SJ_OP(rsub);
   return alpha == 1 ? run1(d, {a}, {{"other", other}}) : run1(d, {a}, {{"other", other}, {"alpha", alpha}});
 }
-Variable mul(const Variable& a, const Variable& b) { SJ_OP("mul"); return run1(d, {a, b}); }
-Variable mul(const Variable& a, double other) { SJ_OP("mul"); return run1(d, {a}, {{"other", other}}); }
-Variable div(const Variable& a, const Variable& b) { SJ_OP("div"); return run1(d, {a, b}); }
-Variable div(const Variable& a, double other) { SJ_OP("div"); return run1(d, {a}, {{"other", other}}); }
+STAGEJIT_FUNC Variable mul(const Variable& a, const Variable& b) { SJ_OP(mul); return run1(d, {a, b}); }
+STAGEJIT_FUNC Variable mul(const Variable& a, double other) { SJ_OP(mul); return run1(d, {a}, {{"other", other}}); }
+STAGEJIT_FUNC Variable div(const Variable& a, const Variable& b) { SJ_OP(div); return run1(d, {a, b}); }
+STAGEJIT_FUNC Variable div(const Variable& a, double other) { SJ_OP(div); return run1(d, {a}, {{"other", other}}); }
 #define SJ_UNARY_FN(NAME) \
-  Variable NAME(const Variable& a) { SJ_OP(#NAME); return run1(d, {a}); }
+  STAGEJIT_FUNC Variable NAME(const Variable& a) { SJ_OP(NAME); return run1(d, {a}); }
 SJ_UNARY_FN(neg)
 SJ_UNARY_FN(exp)
 SJ_UNARY_FN(log)
@@ -793,25 +729,25 @@ SJ_UNARY_FN(t)
 SJ_UNARY_FN(zeros_like)
 SJ_UNARY_FN(ones_like)
 #undef SJ_UNARY_FN
-Variable pow(const Variable& a, double exponent) { SJ_OP("pow"); return run1(d, {a}, {{"exponent", exponent}}); }
-Variable pow(const Variable& a, const Variable& exponent) { SJ_OP("pow"); return run1(d, {a, exponent}); }
-Variable maximum(const Variable& a, const Variable& b) { SJ_OP("maximum"); return run1(d, {a, b}); }
-Variable minimum(const Variable& a, const Variable& b) { SJ_OP("minimum"); return run1(d, {a, b}); }
-Variable clamp(const Variable& a, std::optional<double> min, std::optional<double> max) {
-  SJ_OP("clamp");
+STAGEJIT_FUNC Variable pow(const Variable& a, double exponent) { SJ_OP(pow); return run1(d, {a}, {{"exponent", exponent}}); }
+STAGEJIT_FUNC Variable pow(const Variable& a, const Variable& exponent) { SJ_OP(pow); return run1(d, {a, exponent}); }
+STAGEJIT_FUNC Variable maximum(const Variable& a, const Variable& b) { SJ_OP(maximum); return run1(d, {a, b}); }
+STAGEJIT_FUNC Variable minimum(const Variable& a, const Variable& b) { SJ_OP(minimum); return run1(d, {a, b}); }
+STAGEJIT_FUNC Variable clamp(const Variable& a, std::optional<double> min, std::optional<double> max) {
+  SJ_OP(clamp);
   Attributes attrs;
   if (min) attrs.emplace_back("min", *min);
   if (max) attrs.emplace_back("max", *max);
   return run1(d, {a}, attrs);
 }
-Variable where(const Variable& c, const Variable& a, const Variable& b) { SJ_OP("where"); return run1(d, {c, a, b}); }
-Variable masked_fill(const Variable& a, const Variable& mask, double value) {
-  SJ_OP("masked_fill");
+STAGEJIT_FUNC Variable where(const Variable& c, const Variable& a, const Variable& b) { SJ_OP(where); return run1(d, {c, a, b}); }
+STAGEJIT_FUNC Variable masked_fill(const Variable& a, const Variable& mask, double value) {
+  SJ_OP(masked_fill);
   return run1(d, {a, mask}, {{"value", value}});
 }
 #define SJ_CMP_FN(NAME)                                                                  \
-  Variable NAME(const Variable& a, const Variable& b) { SJ_OP(#NAME); return run1(d, {a, b}); } \
-  Variable NAME(const Variable& a, double other) { SJ_OP(#NAME); return run1(d, {a}, {{"other", other}}); }
+  STAGEJIT_FUNC Variable NAME(const Variable& a, const Variable& b) { SJ_OP(NAME); return run1(d, {a, b}); } \
+  STAGEJIT_FUNC Variable NAME(const Variable& a, double other) { SJ_OP(NAME); return run1(d, {a}, {{"other", other}}); }
 SJ_CMP_FN(eq)
 SJ_CMP_FN(ne)
 SJ_CMP_FN(lt)
@@ -819,73 +755,76 @@ SJ_CMP_FN(le)
 SJ_CMP_FN(gt)
 SJ_CMP_FN(ge)
 #undef SJ_CMP_FN
-Variable logical_and(const Variable& a, const Variable& b) { SJ_OP("logical_and"); return run1(d, {a, b}); }
-Variable mm(const Variable& a, const Variable& b) { SJ_OP("mm"); return run1(d, {a, b}); }
-Variable matmul(const Variable& a, const Variable& b) { SJ_OP("matmul"); return run1(d, {a, b}); }
-Variable addmm(const Variable& c, const Variable& a, const Variable& b, double beta, double alpha) {
-  SJ_OP("addmm");
+STAGEJIT_FUNC Variable logical_and(const Variable& a, const Variable& b) { SJ_OP(logical_and); return run1(d, {a, b}); }
+STAGEJIT_FUNC Variable mm(const Variable& a, const Variable& b) { SJ_OP(mm); return run1(d, {a, b}); }
+STAGEJIT_FUNC Variable matmul(const Variable& a, const Variable& b) { SJ_OP(matmul); return run1(d, {a, b}); }
+STAGEJIT_FUNC Variable addmm(const Variable& c, const Variable& a, const Variable& b, double beta, double alpha) {
+  SJ_OP(addmm);
   Attributes attrs;
   if (beta != 1) attrs.emplace_back("beta", beta);
   if (alpha != 1) attrs.emplace_back("alpha", alpha);
   return run1(d, {c, a, b}, attrs);
 }
-Variable transpose(const Variable& a, int64_t d0, int64_t d1) {
-  SJ_OP("transpose");
+STAGEJIT_FUNC Variable transpose(const Variable& a, int64_t d0, int64_t d1) {
+  SJ_OP(transpose);
   return run1(d, {a}, {{"dim0", d0}, {"dim1", d1}});
 }
-Variable reshape(const Variable& a, std::vector<int64_t> shape) { SJ_OP("reshape"); return run1(d, {a}, {{"shape", std::move(shape)}}); }
-Variable view(const Variable& a, std::vector<int64_t> size) { SJ_OP("view"); return run1(d, {a}, {{"size", std::move(size)}}); }
-Variable expand(const Variable& a, std::vector<int64_t> size) { SJ_OP("expand"); return run1(d, {a}, {{"size", std::move(size)}}); }
-Variable unsqueeze(const Variable& a, int64_t dim) { SJ_OP("unsqueeze"); return run1(d, {a}, {{"dim", dim}}); }
-Variable squeeze(const Variable& a) { SJ_OP("squeeze"); return run1(d, {a}); }
-Variable squeeze(const Variable& a, int64_t dim) { SJ_OP("squeeze"); return run1(d, {a}, {{"dim", dim}}); }
-Variable sum(const Variable& a) { SJ_OP("sum"); return run1(d, {a}); }
-Variable sum(const Variable& a, std::vector<int64_t> dims, bool keepdim) {
-  SJ_OP("sum");
+STAGEJIT_FUNC Variable reshape(const Variable& a, std::vector<int64_t> shape) { SJ_OP(reshape); return run1(d, {a}, {{"shape", std::move(shape)}}); }
+STAGEJIT_FUNC Variable view(const Variable& a, std::vector<int64_t> size) { SJ_OP(view); return run1(d, {a}, {{"size", std::move(size)}}); }
+STAGEJIT_FUNC Variable expand(const Variable& a, std::vector<int64_t> size) { SJ_OP(expand); return run1(d, {a}, {{"size", std::move(size)}}); }
+STAGEJIT_FUNC Variable unsqueeze(const Variable& a, int64_t dim) { SJ_OP(unsqueeze); return run1(d, {a}, {{"dim", dim}}); }
+STAGEJIT_FUNC Variable squeeze(const Variable& a) { SJ_OP(squeeze); return run1(d, {a}); }
+STAGEJIT_FUNC Variable squeeze(const Variable& a, int64_t dim) { SJ_OP(squeeze); return run1(d, {a}, {{"dim", dim}}); }
+STAGEJIT_FUNC Variable sum(const Variable& a) { SJ_OP(sum); return run1(d, {a}); }
+STAGEJIT_FUNC Variable sum(const Variable& a, std::vector<int64_t> dims, bool keepdim) {
+  SJ_OP(sum);
   return run1(d, {a}, {{"dim", std::move(dims)}, {"keepdim", keepdim}});
 }
-Variable mean(const Variable& a) { SJ_OP("mean"); return run1(d, {a}); }
-Variable mean(const Variable& a, std::vector<int64_t> dims, bool keepdim) {
-  SJ_OP("mean");
+STAGEJIT_FUNC Variable mean(const Variable& a) { SJ_OP(mean); return run1(d, {a}); }
+STAGEJIT_FUNC Variable mean(const Variable& a, std::vector<int64_t> dims, bool keepdim) {
+  SJ_OP(mean);
   return run1(d, {a}, {{"dim", std::move(dims)}, {"keepdim", keepdim}});
 }
-Variable sum_to_size(const Variable& a, std::vector<int64_t> size) {
-  SJ_OP("sum_to_size");
+STAGEJIT_FUNC Variable sum_to_size(const Variable& a, std::vector<int64_t> size) {
+  SJ_OP(sum_to_size);
   return run1(d, {a}, {{"size", std::move(size)}});
 }
-variable_list chunk(const Variable& a, int64_t chunks, int64_t dim) {
-  SJ_OP("chunk");
+STAGEJIT_FUNC variable_list chunk(const Variable& a, int64_t chunks, int64_t dim) {
+  SJ_OP(chunk);
   return ops::apply(d, {a}, {{"chunks", chunks}, {"dim", dim}});
 }
-Variable cat(const variable_list& tensors, int64_t dim) { SJ_OP("cat"); return run1(d, tensors, {{"dim", dim}}); }
-Variable narrow(const Variable& a, int64_t dim, int64_t start, int64_t length) {
-  SJ_OP("narrow");
+STAGEJIT_FUNC Variable cat(const variable_list& tensors, int64_t dim) { SJ_OP(cat); return run1(d, tensors, {{"dim", dim}}); }
+STAGEJIT_FUNC Variable narrow(const Variable& a, int64_t dim, int64_t start, int64_t length) {
+  SJ_OP(narrow);
   return run1(d, {a}, {{"dim", dim}, {"start", start}, {"length", length}});
 }
-Variable softmax(const Variable& a, int64_t dim) { SJ_OP("softmax"); return run1(d, {a}, {{"dim", dim}}); }
-Variable log_softmax(const Variable& a, int64_t dim) { SJ_OP("log_softmax"); return run1(d, {a}, {{"dim", dim}}); }
-Variable nll_loss(const Variable& lp, const Variable& target) { SJ_OP("nll_loss"); return run1(d, {lp, target}); }
-Variable cross_entropy(const Variable& logits, const Variable& target) {
+STAGEJIT_FUNC Variable softmax(const Variable& a, int64_t dim) { SJ_OP(softmax); return run1(d, {a}, {{"dim", dim}}); }
+STAGEJIT_FUNC Variable log_softmax(const Variable& a, int64_t dim) { SJ_OP(log_softmax); return run1(d, {a}, {{"dim", dim}}); }
+STAGEJIT_FUNC Variable nll_loss(const Variable& lp, const Variable& target) { SJ_OP(nll_loss); return run1(d, {lp, target}); }
+STAGEJIT_FUNC Variable cross_entropy(const Variable& logits, const Variable& target) {
   return nll_loss(log_softmax(logits, logits.dim() == 1 ? 0 : 1), target);
 }
-Variable mse_loss(const Variable& a, const Variable& b) { SJ_OP("mse_loss"); return run1(d, {a, b}); }
-Variable to(const Variable& a, at::ScalarType dtype) {
-  SJ_OP("to");
+STAGEJIT_FUNC Variable mse_loss(const Variable& a, const Variable& b) { SJ_OP(mse_loss); return run1(d, {a, b}); }
+STAGEJIT_FUNC Variable to(const Variable& a, at::ScalarType dtype) {
+  SJ_OP(to);
   return run1(d, {a}, {{"dtype", static_cast<int64_t>(dtype)}});
 }
 
-Variable operator+(const Variable& a, const Variable& b) { return add(a, b); }
-Variable operator+(const Variable& a, double b) { return add(a, b); }
-Variable operator+(double a, const Variable& b) { return add(b, a); }
-Variable operator-(const Variable& a, const Variable& b) { return sub(a, b); }
-Variable operator-(const Variable& a, double b) { return sub(a, b); }
-Variable operator-(double a, const Variable& b) { return rsub(b, a); }
-Variable operator*(const Variable& a, const Variable& b) { return mul(a, b); }
-Variable operator*(const Variable& a, double b) { return mul(a, b); }
-Variable operator*(double a, const Variable& b) { return mul(b, a); }
-Variable operator/(const Variable& a, const Variable& b) { return div(a, b); }
-Variable operator/(const Variable& a, double b) { return div(a, b); }
-Variable operator/(double a, const Variable& b) { return mul(reciprocal(b), a); }
-Variable operator-(const Variable& a) { return neg(a); }
+STAGEJIT_FUNC Variable operator+(const Variable& a, const Variable& b) { return add(a, b); }
+STAGEJIT_FUNC Variable operator+(const Variable& a, double b) { return add(a, b); }
+STAGEJIT_FUNC Variable operator+(double a, const Variable& b) { return add(b, a); }
+STAGEJIT_FUNC Variable operator-(const Variable& a, const Variable& b) { return sub(a, b); }
+STAGEJIT_FUNC Variable operator-(const Variable& a, double b) { return sub(a, b); }
+STAGEJIT_FUNC Variable operator-(double a, const Variable& b) { return rsub(b, a); }
+STAGEJIT_FUNC Variable operator*(const Variable& a, const Variable& b) { return mul(a, b); }
+STAGEJIT_FUNC Variable operator*(const Variable& a, double b) { return mul(a, b); }
+STAGEJIT_FUNC Variable operator*(double a, const Variable& b) { return mul(b, a); }
+STAGEJIT_FUNC Variable operator/(const Variable& a, const Variable& b) { return div(a, b); }
+STAGEJIT_FUNC Variable operator/(const Variable& a, double b) { return div(a, b); }
+STAGEJIT_FUNC Variable operator/(double a, const Variable& b) { return mul(reciprocal(b), a); }
+STAGEJIT_FUNC Variable operator-(const Variable& a) { return neg(a); }
 
 }  // namespace stagejit
+
+#undef SJ_UNARY
+#undef SJ_OP

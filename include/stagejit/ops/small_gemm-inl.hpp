@@ -1,16 +1,22 @@
-// Thin matrix products through LIBXSMM (see include/stagejit/ops/small_gemm.hpp).
+#pragma once
+/// \file
+/// Thin matrix products through LIBXSMM (see include/stagejit/ops/small_gemm.hpp).
 //
-// Note [Row-major products as LIBXSMM calls]
-// LIBXSMM multiplies column-major matrices. A row-major C[M, N] = A[M, K] B[K, N] is the
-// column-major C'[N, M] = B'[N, K] A'[K, M] with C' = C^T (ldc = N), B' = B^T and
-// A' = A^T: a' = B and b' = A, read in place. B' is read without transposition when B's
-// rows are dense (stride(1) == 1, lda = stride(0)); LIBXSMM 1.17 cannot read it
-// transposed, so a B with dense columns is copied dense first. A' is read without
-// transposition when A's rows are dense (ldb = stride(0)), else transposed (stride(0) ==
-// 1, ldb = stride(1)). "Tall" products cut M into blocks of 64
-// rows (a kernel with n = 64); "reductions" cut K into blocks of 256 (a kernel with
-// beta = 0 for the first block, beta = 1 after). Kernels are generated once per shape
-// and kept by LIBXSMM's own registry (its dispatch is thread-safe).
+/// Note [Row-major products as LIBXSMM calls]
+/// LIBXSMM multiplies column-major matrices. A row-major C[M, N] = A[M, K] B[K, N] is the
+/// column-major C'[N, M] = B'[N, K] A'[K, M] with C' = C^T (ldc = N), B' = B^T and
+/// A' = A^T: a' = B and b' = A, read in place. B' is read without transposition when B's
+/// rows are dense (stride(1) == 1, lda = stride(0)); LIBXSMM 1.17 cannot read it
+/// transposed, so a B with dense columns is copied dense first. A' is read without
+/// transposition when A's rows are dense (ldb = stride(0)), else transposed (stride(0) ==
+/// 1, ldb = stride(1)). "Tall" products cut M into blocks of 64
+/// rows (a kernel with n = 64); "reductions" cut K into blocks of 256 (a kernel with
+/// beta = 0 for the first block, beta = 1 after). Kernels are generated once per shape
+/// and kept by LIBXSMM's own registry (its dispatch is thread-safe).
+///
+/// Function bodies (core/config.hpp): compiled once in src/compiled_bodies.cpp, or
+/// inline in every translation unit of a header-only build.
+#include <stagejit/core/config.hpp>
 #include <stagejit/ops/small_gemm.hpp>
 
 #include <ATen/Parallel.h>
@@ -26,14 +32,14 @@
 
 namespace stagejit::ops {
 
-namespace {
+namespace detail::small_gemm_impl {
 
 constexpr int64_t kSmall = 64;       // K and N (tall) or M and N (reduction) at most
 constexpr int64_t kLarge = 256;      // M (tall) or K (reduction) at least
 constexpr int64_t kRowBlock = 64;    // rows of A per kernel call (tall)
 constexpr int64_t kReduceBlock = 256;  // columns of A per kernel call (reduction)
 
-bool enabled_by_environment() {
+STAGEJIT_FUNC bool enabled_by_environment() {
   static const bool on = [] {
     const char* v = std::getenv("STAGEJIT_SMALL_GEMM");
     return !(v && std::strcmp(v, "0") == 0);
@@ -51,7 +57,7 @@ struct Operand {
 };
 
 // `t` [R, C] read as the column-major [C, R] matrix (Note [Row-major products ...]).
-Operand as_column_major_transpose(const at::Tensor& t) {
+STAGEJIT_FUNC Operand as_column_major_transpose(const at::Tensor& t) {
   const int64_t r = t.size(0), c = t.size(1);
   // The stride of a size-1 dimension is never used: give it the dense value.
   const int64_t s0 = r == 1 ? c : t.stride(0), s1 = c == 1 ? 1 : t.stride(1);
@@ -80,7 +86,7 @@ struct Kernels<double> {
 };
 
 // True when LIBXSMM's blocking applies to `a @ b` (both 2-D, rows or columns dense).
-bool thin_product(const at::Tensor& a, const at::Tensor& b) {
+STAGEJIT_FUNC bool thin_product(const at::Tensor& a, const at::Tensor& b) {
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   const bool tall = M >= kLarge && K <= kSmall && N <= kSmall;
   const bool reduction = !tall && K >= kLarge && M <= kSmall && N <= kSmall;
@@ -93,7 +99,7 @@ bool thin_product(const at::Tensor& a, const at::Tensor& b) {
 
 // `a @ b` for operands `thin_product` accepted.
 template <class T>
-std::optional<at::Tensor> run(const at::Tensor& a, const at::Tensor& b_in) {
+STAGEJIT_FUNC std::optional<at::Tensor> run(const at::Tensor& a, const at::Tensor& b_in) {
   const int64_t M = a.size(0), K = a.size(1), N = b_in.size(1);
   const bool tall = M >= kLarge && K <= kSmall && N <= kSmall;  // else a reduction
   const Operand A = as_column_major_transpose(a);
@@ -153,9 +159,10 @@ std::optional<at::Tensor> run(const at::Tensor& a, const at::Tensor& b_in) {
 
 #endif  // STAGEJIT_HAVE_LIBXSMM
 
-}  // namespace
+}  // namespace detail::small_gemm_impl
+using namespace detail::small_gemm_impl;
 
-bool small_mm_enabled() noexcept {
+STAGEJIT_FUNC bool small_mm_enabled() noexcept {
 #if defined(STAGEJIT_HAVE_LIBXSMM)
   return enabled_by_environment();
 #else
@@ -163,7 +170,7 @@ bool small_mm_enabled() noexcept {
 #endif
 }
 
-std::optional<at::Tensor> small_mm(const at::Tensor& a, const at::Tensor& b) {
+STAGEJIT_FUNC std::optional<at::Tensor> small_mm(const at::Tensor& a, const at::Tensor& b) {
 #if defined(STAGEJIT_HAVE_LIBXSMM)
   if (!enabled_by_environment()) return std::nullopt;
   if (!a.defined() || !b.defined() || a.layout() != at::kStrided || b.layout() != at::kStrided ||
