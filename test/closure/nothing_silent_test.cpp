@@ -1,0 +1,120 @@
+// Issue 20 ("Nothing silent"), items 2 to 6: wrong results and unclear errors found by
+// misusing the API, each checked in eager and compiled mode against libtorch's autograd
+// (item 1 is in specialize_test.cpp, items 7 and 8 in test/ir/).
+#include <stagejit/stagejit.hpp>
+#include <stagejit/testing/doctest.hpp>
+
+#include "../support/staged_oracle.hpp"
+
+#include <string>
+
+namespace sj = stagejit;
+using sj::testing::max_abs_diff;
+
+namespace {
+
+// y = 2x; the backward returns its gradient in Double whatever the input's dtype.
+struct DoubleGrad : sj::HostFunction<DoubleGrad> {
+  static sj::Variable forward(sj::HostContext*, sj::Variable x) { return sj::Variable(x.data() * 2); }
+  static sj::variable_list backward(sj::HostContext*, sj::variable_list g) {
+    return {sj::Variable(g[0].data().to(at::kDouble) * 2)};
+  }
+};
+
+// The same in libtorch (the oracle): its engine casts the gradient to the input's dtype.
+struct TorchDoubleGrad : torch::autograd::Function<TorchDoubleGrad> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x) { return x * 2; }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list g) {
+    return {g[0].to(torch::kDouble) * 2};
+  }
+};
+
+// A backward returning its gradient on another device (meta: every build has it).
+struct MetaGrad : sj::HostFunction<MetaGrad> {
+  static sj::Variable forward(sj::HostContext*, sj::Variable x) { return sj::Variable(x.data() * 2); }
+  static sj::variable_list backward(sj::HostContext*, sj::variable_list g) {
+    return {sj::Variable(at::empty(g[0].sizes(), g[0].data().options().device(at::kMeta)))};
+  }
+};
+struct TorchMetaGrad : torch::autograd::Function<TorchMetaGrad> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x) { return x * 2; }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list g) {
+    return {torch::empty(g[0].sizes(), g[0].options().device(torch::kMeta))};
+  }
+};
+
+at::Tensor leaf(const at::Tensor& t) { return t.detach().clone().set_requires_grad(true); }
+
+// Runs `fn` and returns the stagejit error it throws (its what()), failing the test when
+// it throws nothing or something else.
+template <class E, class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    FAIL_CHECK("threw another class: ", e.what());
+    return {};
+  }
+  FAIL_CHECK("threw nothing");
+  return {};
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_SUITE("closure") {
+
+TEST_CASE("issue 20, item 6: an undefined value fed to a fusion group names the group, op and input") {
+  const char* grouped = R"IR(graph(%x : Float(3)) {
+  %1 : UNKNOWN_TYPE = Undefined();
+  %2 : Float(3) = fusion_group_0(%x, %1);
+  return (%2);
+}
+with fusion_group_0 = graph(%0 : Float(3), %1 : Float(3)) {
+  %2 : Float(3) = mul(%0, %1);
+  %3 : Float(3) = tanh(%2);
+  return (%3);
+}
+)IR";
+  const char* ungrouped = R"IR(graph(%x : Float(3)) {
+  %1 : UNKNOWN_TYPE = Undefined();
+  %2 : Float(3) = mul(%x, %1);
+  %3 : Float(3) = tanh(%2);
+  return (%3);
+}
+)IR";
+  const sj::Variable x(at::ones({3}));
+  auto run = [&](const char* text) {
+    auto g = sj::ir::parse(text);
+    sj::ir::lint(*g);
+    auto closure = std::make_shared<const sj::closure::MultiStageClosure>(g);
+    return error_of<sj::Error>([&] { sj::closure::run_stages(closure, {{x}}); });
+  };
+  const std::string outside = run(ungrouped);
+  CHECK_MESSAGE(contains(outside, "op 'mul': input 1 is undefined"), outside);
+  const std::string inside = run(grouped);
+  CHECK_MESSAGE(contains(inside, "fusion_group_"), inside);
+  CHECK_MESSAGE(contains(inside, ": op 'mul': input 1 is undefined (group input 1)"), inside);
+  CHECK_MESSAGE(!contains(inside, "INTERNAL ASSERT"), inside);
+
+  // The fusion entry points directly.
+  auto sub = sj::ir::parse(R"IR(graph(%0 : Float(3), %1 : Float(3)) {
+  %2 : Float(3) = mul(%0, %1);
+  %3 : Float(3) = tanh(%2);
+  return (%3);
+})IR");
+  CHECK_THROWS_WITH_AS(sj::fusion::run_fused(*sub, {at::ones({3}), at::Tensor()}, {nullptr, "g0", nullptr}),
+                       "g0: op 'mul': input 1 is undefined (group input 1)", sj::Error);
+  CHECK_THROWS_WITH_AS(sj::fusion::run_unfused(*sub, {at::Tensor(), at::ones({3})}),
+                       "op 'mul': input 0 is undefined", sj::Error);
+  sj::fusion::FusedGroup group(sub, "fusion_group_7");
+  CHECK_THROWS_WITH_AS(group.run({at::ones({3}), at::Tensor()}),
+                       "fusion_group_7: op 'mul': input 1 is undefined (group input 1)", sj::Error);
+}
+
+}  // TEST_SUITE
