@@ -6,6 +6,7 @@
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
 #include <stagejit/autograd/variable.hpp>
+#include <stagejit/core/aten_error.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/ops/op_def.hpp>
 #include <stagejit/ops/ops.hpp>
@@ -691,8 +692,10 @@ std::vector<at::Tensor> run_forward(const OpDef& op, const std::vector<at::Tenso
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return op.forward(inputs, attrs);
   } catch (const c10::Error& e) {
-    throw ShapeError(detail::str_cat("op '", op.name, "': ", e.what_without_backtrace()));
+    rethrow_aten_error(e, detail::str_cat("op '", op.name, "': "));
   } catch (const ShapeError&) {
+    throw;
+  } catch (const DtypeError&) {
     throw;
   } catch (const Error& e) {
     throw Error(detail::str_cat("op '", op.name, "': ", e.what()));

@@ -2,6 +2,7 @@
 /// \file
 /// One include for users: everything in API.md. Users write `namespace sj = stagejit;`.
 
+#include <stagejit/core/aten_error.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/scalar.hpp>
 #include <stagejit/core/version.hpp>

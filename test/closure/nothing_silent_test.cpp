@@ -69,6 +69,37 @@ bool contains(const std::string& s, const std::string& part) { return s.find(par
 
 TEST_SUITE("closure") {
 
+TEST_CASE("issue 20, item 5: ATen's errors keep their kind: dtype errors are DtypeError, not ShapeError") {
+  const at::Tensor h = at::ones({2, 2}, at::kHalf), f = at::ones({2, 2}, at::kFloat), d = at::ones({2, 2}, at::kDouble);
+  // The oracle: libtorch refuses these too.
+  CHECK_THROWS(torch::mm(h, h));
+  CHECK_THROWS(torch::mm(f, d));
+  CHECK_THROWS(f.transpose(0, 5));
+
+  std::string msg = error_of<sj::DtypeError>([&] { sj::mm(sj::Variable(h), sj::Variable(h)); });
+  CHECK_MESSAGE((contains(msg, "op 'mm': ") && contains(msg, "'Half'")), msg);
+  msg = error_of<sj::DtypeError>([&] { sj::mm(sj::Variable(f), sj::Variable(d)); });
+  CHECK_MESSAGE(contains(msg, "op 'mm': "), msg);
+  msg = error_of<sj::ShapeError>([&] { sj::transpose(sj::Variable(f), 0, 5); });
+  CHECK_MESSAGE(contains(msg, "op 'transpose': Dimension out of range"), msg);
+  msg = error_of<sj::ShapeError>([&] { sj::mm(sj::Variable(f), sj::Variable(at::ones({3, 2}))); });
+  CHECK_MESSAGE(contains(msg, "op 'mm': "), msg);
+
+  // Traced (compile) and inside a compiled stage run by the engine, the class is kept.
+  msg = error_of<sj::DtypeError>([&] {
+    auto fn = sj::compile([](const sj::variable_list& in) -> sj::variable_list { return {sj::mm(in[0], in[0])}; });
+    fn({sj::Variable(h)});
+  });
+  CHECK_MESSAGE(contains(msg, "not implemented for 'Half'"), msg);
+  auto graph = sj::ir::parse(R"IR(graph(%a : Half(2, 2)) {
+  %b : Half(2, 2) = mm(%a, %a);
+  return (%b);
+})IR");
+  auto closure = std::make_shared<const sj::closure::MultiStageClosure>(graph);
+  msg = error_of<sj::DtypeError>([&] { sj::closure::run_stages(closure, {{sj::Variable(h)}}); });
+  CHECK_MESSAGE((contains(msg, "op 'mm': ") && contains(msg, "'Half'")), msg);
+}
+
 TEST_CASE("issue 20, item 6: an undefined value fed to a fusion group names the group, op and input") {
   const char* grouped = R"IR(graph(%x : Float(3)) {
   %1 : UNKNOWN_TYPE = Undefined();

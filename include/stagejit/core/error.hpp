@@ -5,6 +5,22 @@
 /// Every error a user can cause is reported by throwing a subclass of
 /// `stagejit::Error` whose message names the node, value, function or stage concerned
 /// and what was expected. Internal invariants use `STAGEJIT_ASSERT` (debug builds only).
+///
+/// ATen errors. An op that ATen refuses reports ATen's message (without its backtrace)
+/// after the op's name, as the stagejit class of its kind (`rethrow_aten_error` in
+/// core/aten_error.hpp; the autograd engine maps errors escaping a Function the same way):
+///
+/// | ATen (`c10::`)                                   | stagejit     |
+/// |--------------------------------------------------|--------------|
+/// | `TypeError`, `NotImplementedError`               | `DtypeError` |
+/// | `IndexError` (a dimension or index out of range) | `ShapeError` |
+/// | `ValueError`, `LinAlgError`, `OutOfMemoryError`, other kinds | `Error` |
+/// | plain `Error` about dtypes or devices (its message has `not implemented for '`, `scalar type`, `dtype`, `can't be cast to`, `device` or `Could not run '`) | `DtypeError` |
+/// | any other plain `Error` (ATen's `TORCH_CHECK` of arguments: mostly shapes) | `ShapeError` |
+///
+/// The message test is needed because ATen 1.13 reports most dtype errors (`"addmm_impl_cpu_"
+/// not implemented for 'Half'`, `expected scalar type Float but found Double`) as a plain
+/// `c10::Error`.
 
 #include <cstddef>
 #include <sstream>
@@ -57,6 +73,13 @@ class CompileError : public Error {
 
 /// Tensor shapes that do not fit an op or a traced signature.
 class ShapeError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A tensor's dtype (or device) that an op or a traced signature does not support, or
+/// tensors whose dtypes (or devices) do not agree; see "ATen errors" above.
+class DtypeError : public Error {
  public:
   using Error::Error;
 };
