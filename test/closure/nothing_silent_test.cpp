@@ -69,6 +69,55 @@ bool contains(const std::string& s, const std::string& part) { return s.find(par
 
 TEST_SUITE("closure") {
 
+TEST_CASE("issue 20, item 4: a grad_output of another dtype is cast to the traced dtype") {
+  at::manual_seed(24);
+  const at::Tensor a = at::randn({3, 5}, at::kFloat), b = at::randn({5, 4}, at::kFloat);
+  const at::Tensor go = at::randn({3, 4}, at::kDouble);
+  auto ta = leaf(a), tb = leaf(b);
+  auto t_g = torch::autograd::grad({torch::tanh(torch::mm(ta, tb))}, {ta, tb}, {go});
+  REQUIRE((t_g[0].scalar_type() == at::kFloat));
+  auto body = [](const sj::variable_list& in) -> sj::variable_list { return {sj::tanh(sj::mm(in[0], in[1]))}; };
+  {
+    sj::Variable x(a, true), y(b, true);
+    auto g = sj::grad(body({x, y}), {x, y}, {sj::Variable(go)});
+    for (int i = 0; i < 2; ++i) {
+      CAPTURE(i);
+      CHECK((g[i].scalar_type() == at::kFloat));
+      CHECK(max_abs_diff(g[i].data(), t_g[i]) <= 1e-5);
+    }
+  }
+  for (bool fuse : {true, false}) {
+    CAPTURE(fuse);
+    auto f = sj::compile(body, {.derivatives = 1, .fuse = fuse});
+    sj::Variable x(a, true), y(b, true);
+    auto out = f({x, y})[0];
+    auto g = sj::grad({out}, {x, y}, {sj::Variable(go)});
+    for (int i = 0; i < 2; ++i) {
+      CAPTURE(i);
+      CHECK((g[i].scalar_type() == at::kFloat));
+      CHECK(max_abs_diff(g[i].data(), t_g[i]) <= 1e-5);
+    }
+  }
+  // A stage run directly: another dtype is cast, another shape is still a ShapeError.
+  auto graph = sj::ir::parse(R"IR(graph(%x : Double(3),
+      -------- stage 1 --------
+      %g : Double(3)) {
+  %y : Double(3) = tanh(%x);
+  ---------------- stage 1 ----------------
+  %gx : Double(3) = mul(%g, %x);
+  return (%y | %gx);
+})IR");
+  auto closure = std::make_shared<const sj::closure::MultiStageClosure>(graph);
+  sj::Variable x(at::tensor({1.0, 2.0, 3.0}, at::kDouble));
+  auto out = sj::closure::run_stages(closure, {{x}, {sj::Variable(at::full({3}, 0.5f))}});
+  CHECK((out[1][0].scalar_type() == at::kDouble));
+  CHECK(max_abs_diff(out[1][0].data(), x.data() * 0.5) == 0.0);
+  CHECK_THROWS_WITH_AS(sj::closure::run_stages(closure, {{x}, {sj::Variable(at::ones({4}, at::kDouble))}}),
+                       doctest::Contains("compiled stage 1: input 0 has shape [4] and dtype Double, traced with "
+                                         "[3] and Double"),
+                       sj::ShapeError);
+}
+
 TEST_CASE("issue 20, item 5: ATen's errors keep their kind: dtype errors are DtypeError, not ShapeError") {
   const at::Tensor h = at::ones({2, 2}, at::kHalf), f = at::ones({2, 2}, at::kFloat), d = at::ones({2, 2}, at::kDouble);
   // The oracle: libtorch refuses these too.

@@ -169,8 +169,10 @@ class StageCall final : public ClosureImpl {
 
   /// Runs the stage on `inputs` (one per stage input) without autograd linkage: fills
   /// `state` with the stage's outputs (`state.outputs`, one per stage output) and what it
-  /// captured for later stages. Throws `Error` naming the stage and input for a wrong
-  /// count, `ShapeError` for a shape or dtype other than traced.
+  /// captured for later stages. An input of a later stage (a gradient) of another dtype
+  /// than traced is cast to the traced dtype (as libtorch casts gradients). Throws `Error`
+  /// naming the stage and input for a wrong count, `ShapeError` for a shape other than
+  /// traced.
   ///
   /// `needed` (optional, one per stage output) and `captures` select the stage variant
   /// (Note [Stage variants]) when the closure specialises; by default every output is
@@ -216,11 +218,16 @@ class StageCall final : public ClosureImpl {
         continue;
       }
       if (type && stage_ > 0) {
-        STAGEJIT_CHECK_AS(ShapeError, inputs[i].sizes() == at::IntArrayRef(type->sizes) &&
-                                          inputs[i].scalar_type() == type->dtype,
+        STAGEJIT_CHECK_AS(ShapeError, inputs[i].sizes() == at::IntArrayRef(type->sizes),
                           "compiled stage ", stage_, ": input ", i, " has shape ",
                           inputs[i].sizes(), " and dtype ", inputs[i].scalar_type(),
                           ", traced with ", at::IntArrayRef(type->sizes), " and ", type->dtype);
+        // A gradient of another dtype is cast to the traced one, as libtorch's engine
+        // casts a gradient to its input's dtype (validate_outputs).
+        if (inputs[i].scalar_type() != type->dtype) {
+          leaves.emplace_back(inputs[i].data().to(type->dtype));
+          continue;
+        }
       }
       leaves.emplace_back(inputs[i].data());
     }
