@@ -530,17 +530,29 @@ variable_list apply_host_backward(Function& self, HostBackward& hb, variable_lis
   {
     TraceHookGuard suspend(hb.traceable ? current_trace_hook() : nullptr);
     results = hb.backward(hb.ctx.get(), grads);
-  }
-  STAGEJIT_CHECK(results.size() == hb.input_meta.size(), "HostFunction '", hb.name,
-                 "': backward returned ", results.size(), " gradients, expected ",
-                 hb.input_meta.size(), " (one per tensor input)");
-  for (std::size_t i = 0; i < results.size(); ++i) {
-    if (!results[i].defined()) continue;
-    STAGEJIT_CHECK_AS(ShapeError, results[i].sizes() == at::IntArrayRef(hb.input_meta[i].sizes),
-                      "HostFunction '", hb.name, "': backward gradient ", i, " has shape ",
-                      shape_str(results[i].sizes()), ", expected ",
-                      shape_str(hb.input_meta[i].sizes), " (the shape of input ", i, ")");
-    if (!self.next_functions[i].is_valid()) results[i] = Variable();
+    STAGEJIT_CHECK(results.size() == hb.input_meta.size(), "HostFunction '", hb.name,
+                   "': backward returned ", results.size(), " gradients, expected ",
+                   hb.input_meta.size(), " (one per tensor input)");
+    // As libtorch's validate_outputs: the shape and device must be the input's, another
+    // dtype is cast to the input's (inside the suspended hook: part of the opaque backward).
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      if (!results[i].defined()) continue;
+      const InputMeta& meta = hb.input_meta[i];
+      STAGEJIT_CHECK_AS(ShapeError, results[i].sizes() == at::IntArrayRef(meta.sizes),
+                        "HostFunction '", hb.name, "': backward gradient ", i, " has shape ",
+                        shape_str(results[i].sizes()), ", expected ", shape_str(meta.sizes),
+                        " (the shape of input ", i, ")");
+      STAGEJIT_CHECK(results[i].data().device() == meta.options.device(), "HostFunction '",
+                     hb.name, "': backward gradient ", i, " is on device ",
+                     results[i].data().device(), ", expected ", meta.options.device(),
+                     " (the device of input ", i, ")");
+      if (!self.next_functions[i].is_valid()) {
+        results[i] = Variable();
+        continue;
+      }
+      const at::ScalarType dtype = meta.options.dtype().toScalarType();
+      if (results[i].scalar_type() != dtype) results[i] = to(results[i], dtype);
+    }
   }
   std::shared_ptr<Function> backward_of_outputs;
   bool any_rg = false;

@@ -69,6 +69,53 @@ bool contains(const std::string& s, const std::string& part) { return s.find(par
 
 TEST_SUITE("closure") {
 
+TEST_CASE("issue 20, item 2: a host function's gradient gets its input's dtype, eager and compiled") {
+  at::manual_seed(20);
+  const at::Tensor data = at::randn({5}, at::kFloat);
+  auto tx = leaf(data);
+  auto t_loss = torch::exp(TorchDoubleGrad::apply(tx)).sum();
+  auto t_g = torch::autograd::grad({t_loss}, {tx})[0];
+  REQUIRE((t_g.scalar_type() == at::kFloat));
+  auto body = [](const sj::variable_list& in) -> sj::variable_list {
+    return {sj::sum(sj::exp(DoubleGrad::apply(in[0])))};
+  };
+
+  SUBCASE("eager: grad and backward into a leaf") {
+    sj::Variable x(data, true);
+    auto g = sj::grad(body({x}), {x})[0];
+    CHECK((g.scalar_type() == at::kFloat));
+    CHECK(max_abs_diff(g.data(), t_g) <= 1e-6);
+    body({x})[0].backward();
+    REQUIRE(x.grad().defined());
+    CHECK((x.grad().scalar_type() == at::kFloat));
+    CHECK(max_abs_diff(x.grad().data(), t_g) <= 1e-6);
+  }
+  SUBCASE("compiled, orders 1 and 2") {
+    for (int k : {1, 2}) {
+      CAPTURE(k);
+      auto f = sj::compile(body, {.derivatives = k});
+      sj::Variable x(data, true);
+      auto y = f({x})[0];
+      auto g = sj::grad({y}, {x})[0];
+      CHECK((g.scalar_type() == at::kFloat));
+      CHECK(max_abs_diff(g.data(), t_g) <= 1e-6);
+      y.backward();
+      REQUIRE(x.grad().defined());
+      CHECK((x.grad().scalar_type() == at::kFloat));
+      CHECK(max_abs_diff(x.grad().data(), t_g) <= 1e-6);
+    }
+  }
+  SUBCASE("a gradient on another device is refused, naming the function and input") {
+    auto tm = leaf(data);
+    CHECK_THROWS(TorchMetaGrad::apply(tm).sum().backward());  // libtorch refuses too
+    sj::Variable x(data, true);
+    std::string msg = error_of<sj::Error>([&] { sj::sum(MetaGrad::apply(x)).backward(); });
+    CHECK_MESSAGE(contains(msg, "HostFunction 'MetaGrad': backward gradient 0 is on device meta, expected cpu "
+                                "(the device of input 0)"),
+                  msg);
+  }
+}
+
 TEST_CASE("issue 20, item 4: a grad_output of another dtype is cast to the traced dtype") {
   at::manual_seed(24);
   const at::Tensor a = at::randn({3, 5}, at::kFloat), b = at::randn({5, 4}, at::kFloat);
