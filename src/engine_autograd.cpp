@@ -130,6 +130,8 @@ void Variable::backward(const Variable& grad_output, bool create_graph) const {
 SavedVariable::SavedVariable(const Variable& v, bool is_output) {
   if (!v.defined()) return;
   data_ = v.data();
+  tracks_version_ = !data_.is_inference();
+  if (tracks_version_) saved_version_ = data_._version();
   is_output_ = is_output;
   requires_grad_ = v.requires_grad();
   if (is_output) {
@@ -140,8 +142,18 @@ SavedVariable::SavedVariable(const Variable& v, bool is_output) {
   }
 }
 
-Variable SavedVariable::unpack(const std::shared_ptr<Function>& owner) const {
+Variable SavedVariable::unpack(const std::shared_ptr<Function>& owner, std::size_t index,
+                              const char* role) const {
   if (!data_.defined()) return {};
+  if (tracks_version_ && data_._version() != saved_version_) {
+    throw Error(detail::str_cat(
+        "one of the variables needed for gradient computation has been modified by an "
+        "inplace operation: saved ", role ? role : (is_output_ ? "output" : "input"), " ", index,
+        " of ", owner ? owner->name() : std::string("a function"), ", a ", data_.scalar_type(),
+        " tensor of shape ", shape_str(data_.sizes()),
+        ", is at version ", data_._version(), "; expected version ", saved_version_,
+        " instead (it was modified in place after the forward saved it)"));
+  }
   if (!is_output_) return Variable::from_impl(input_);
   if (auto alive = output_.lock()) return Variable::from_impl(std::move(alive));
   if (!requires_grad_ || !owner) return Variable(data_);
@@ -196,8 +208,8 @@ variable_list apply_op_backward(Function& self, OpBackward& ob, variable_list& g
   if (!any) return undefined_list(n);
   auto me = self.shared_from_this();
   variable_list inputs(ob.saved_inputs.size()), outputs(ob.saved_outputs.size());
-  for (std::size_t i = 0; i < inputs.size(); ++i) inputs[i] = ob.saved_inputs[i].unpack(me);
-  for (std::size_t i = 0; i < outputs.size(); ++i) outputs[i] = ob.saved_outputs[i].unpack(me);
+  for (std::size_t i = 0; i < inputs.size(); ++i) inputs[i] = ob.saved_inputs[i].unpack(me, i);
+  for (std::size_t i = 0; i < outputs.size(); ++i) outputs[i] = ob.saved_outputs[i].unpack(me, i);
   uint64_t mask = 0;
   for (std::size_t i = 0; i < n && i < 64; ++i)
     if (self.next_functions[i].is_valid() && engine::should_compute_output(self, i))
@@ -464,7 +476,7 @@ variable_list HostContext::get_saved_variables() const {
   auto owner = owner_.lock();
   variable_list out;
   out.reserve(saved_.size());
-  for (const auto& s : saved_) out.push_back(s.unpack(owner));
+  for (std::size_t i = 0; i < saved_.size(); ++i) out.push_back(saved_[i].unpack(owner, i, "variable"));
   return out;
 }
 

@@ -712,6 +712,17 @@ variable_list apply(const OpDef& op, const variable_list& inputs, const Attribut
     any_requires_grad = any_requires_grad || inputs[i].requires_grad();
   }
   std::vector<at::Tensor> outs = run_forward(op, tensors, attrs);
+  // A view shares its base's version counter, as ATen's ADInplaceOrView kernels (which
+  // run_forward skips) make it, so a saved view sees an in-place change of its base.
+  for (auto& o : outs) {
+    if (!o.defined() || o.is_inference()) continue;
+    for (const auto& in : tensors) {
+      if (in.unsafeGetTensorImpl() == o.unsafeGetTensorImpl() || in.is_inference() || !o.is_alias_of(in))
+        continue;
+      o.unsafeGetTensorImpl()->set_version_counter(in.unsafeGetTensorImpl()->version_counter());
+      break;
+    }
+  }
   variable_list results;
   results.reserve(outs.size());
   if (any_requires_grad && op.differentiable && op.backward && GradMode::is_enabled()) {

@@ -116,6 +116,121 @@ TEST_CASE("issue 20, item 2: a host function's gradient gets its input's dtype, 
   }
 }
 
+TEST_CASE("issue 20, item 3: a saved tensor modified in place is refused, as libtorch does") {
+  const at::Tensor xd = at::tensor({1.0, 2.0, 3.0}, at::kDouble);
+  const at::Tensor wd = at::tensor({0.5, -1.0, 2.0}, at::kDouble);
+
+  SUBCASE("libtorch refuses (the oracle)") {
+    auto tx = leaf(xd);
+    auto tw = wd.clone();
+    auto ty = (tx * tw).sum();
+    tw.mul_(2);
+    CHECK_THROWS_WITH(torch::autograd::grad({ty}, {tx}),
+                      doctest::Contains("modified by an inplace operation"));
+  }
+  SUBCASE("eager: a saved input, naming the function, the input and both versions") {
+    sj::Variable x(xd.clone(), true), w(wd.clone());
+    auto y = sj::sum(sj::mul(x, w));
+    w.data().mul_(2);
+    std::string msg = error_of<sj::Error>([&] { sj::grad({y}, {x}); });
+    CHECK_MESSAGE(contains(msg, "Function 'MulBackward': one of the variables needed for gradient computation "
+                                "has been modified by an inplace operation: saved input 1 of MulBackward, a "
+                                "Double tensor of shape [3], is at version 1; expected version 0 instead"),
+                  msg);
+  }
+  SUBCASE("eager: a saved output, and a view whose base is modified") {
+    auto tx = leaf(xd);
+    auto te = torch::exp(tx);
+    te.detach().add_(1);  // ExpBackward0 saved its result
+    CHECK_THROWS_WITH(torch::autograd::grad({te.sum()}, {tx}), doctest::Contains("modified by an inplace operation"));
+    sj::Variable x(xd.clone(), true);
+    auto e = sj::exp(x);
+    e.data().add_(1);
+    std::string msg = error_of<sj::Error>([&] { sj::grad({sj::sum(e)}, {x}); });
+    CHECK_MESSAGE(contains(msg, "saved output 0 of ExpBackward"), msg);
+
+    sj::Variable a(at::randn({2, 3}, at::kDouble), true), base(at::randn({3, 2}, at::kDouble));
+    auto v = sj::t(base);  // a view of base, saved by mul
+    auto z = sj::sum(sj::mul(a, v));
+    base.data().mul_(3);
+    msg = error_of<sj::Error>([&] { sj::grad({z}, {a}); });
+    CHECK_MESSAGE(contains(msg, "saved input 1 of MulBackward"), msg);
+  }
+  SUBCASE("eager: a host function's saved variable") {
+    struct HostMul : sj::HostFunction<HostMul> {
+      static sj::Variable forward(sj::HostContext* ctx, sj::Variable a, sj::Variable b) {
+        ctx->save_for_backward({a, b});
+        return sj::Variable(a.data() * b.data());
+      }
+      static sj::variable_list backward(sj::HostContext* ctx, sj::variable_list g) {
+        auto s = ctx->get_saved_variables();
+        return {g[0] * s[1], g[0] * s[0]};
+      }
+    };
+    sj::Variable x(xd.clone(), true), w(wd.clone());
+    auto y = sj::sum(HostMul::apply(x, w));
+    w.data().add_(1);
+    std::string msg = error_of<sj::Error>([&] { sj::grad({y}, {x}); });
+    CHECK_MESSAGE(contains(msg, "saved variable 1 of HostMulBackward"), msg);
+  }
+  SUBCASE("no false alarm: changes before the forward, or to tensors nothing saved") {
+    sj::Variable x(xd.clone(), true), w(wd.clone());
+    w.data().mul_(2);  // before the forward: the forward sees it, as in libtorch
+    auto y = sj::sum(sj::add(x, w) * 3.0);
+    x.data().add_(1);  // AddBackward and MulBackward (by a scalar) save no tensor of x
+    auto g = sj::grad({y}, {x})[0];
+    CHECK(max_abs_diff(g.data(), at::full({3}, 3.0, at::kDouble)) == 0.0);
+  }
+  SUBCASE("compiled: a value captured for a later stage, at orders 1 and 2, fused or not") {
+    for (bool fuse : {true, false}) {
+      CAPTURE(fuse);
+      auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+        return {sj::sum(sj::tanh(sj::mul(in[0], in[1])))};
+      }, {.derivatives = 2, .fuse = fuse});
+      // Order 1: w, captured by stage 0 for stage 1, changes before the backward.
+      {
+        sj::Variable x(xd.clone(), true), w(wd.clone());
+        auto y = f({x, w})[0];
+        w.data().mul_(2);
+        std::string msg = error_of<sj::Error>([&] { sj::grad({y}, {x}); });
+        CHECK_MESSAGE(contains(msg, "compiled stage 1: one of the variables needed for gradient computation has "
+                                    "been modified by an inplace operation: %"),
+                      msg);
+        CHECK_MESSAGE(contains(msg, "(an input of stage 0, a Double tensor of shape [3]), saved for this stage, "
+                                    "is at version 1; expected version 0 instead"),
+                      msg);
+      }
+      // Order 2: a value carried from stage 0 through stage 1 changes before stage 2.
+      {
+        sj::Variable x(xd.clone(), true), w(wd.clone());
+        auto tx = leaf(xd);
+        auto tw = wd.clone();
+        auto y = f({x, w})[0];
+        auto g = sj::grad({y}, {x}, {}, /*create_graph=*/true)[0];
+        auto tg = torch::autograd::grad({torch::tanh(tx * tw).sum()}, {tx}, {}, true, true)[0];
+        CHECK(max_abs_diff(g.data(), tg) <= 1e-12);
+        w.data().mul_(2);
+        tw.mul_(2);
+        CHECK_THROWS_WITH(torch::autograd::grad({tg.sum()}, {tx}),
+                          doctest::Contains("modified by an inplace operation"));
+        std::string msg = error_of<sj::Error>([&] { sj::grad({sj::sum(g)}, {x}); });
+        CHECK_MESSAGE(contains(msg, "has been modified by an inplace operation"), msg);
+      }
+      // Unmodified, the same calls give libtorch's numbers.
+      {
+        sj::Variable x(xd.clone(), true), w(wd.clone());
+        auto tx = leaf(xd);
+        auto y = f({x, w})[0];
+        auto g = sj::grad({y}, {x}, {}, true)[0];
+        auto gg = sj::grad({sj::sum(g)}, {x})[0];
+        auto tg = torch::autograd::grad({torch::tanh(tx * wd).sum()}, {tx}, {}, true, true)[0];
+        auto tgg = torch::autograd::grad({tg.sum()}, {tx})[0];
+        CHECK(max_abs_diff(gg.data(), tgg) <= 1e-12);
+      }
+    }
+  }
+}
+
 TEST_CASE("issue 20, item 4: a grad_output of another dtype is cast to the traced dtype") {
   at::manual_seed(24);
   const at::Tensor a = at::randn({3, 5}, at::kFloat), b = at::randn({5, 4}, at::kFloat);
