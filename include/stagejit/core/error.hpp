@@ -10,17 +10,18 @@
 /// after the op's name, as the stagejit class of its kind (`rethrow_aten_error` in
 /// core/aten_error.hpp; the autograd engine maps errors escaping a Function the same way):
 ///
-/// | ATen (`c10::`)                                   | stagejit     |
-/// |--------------------------------------------------|--------------|
-/// | `TypeError`, `NotImplementedError`               | `DtypeError` |
-/// | `IndexError` (a dimension or index out of range) | `ShapeError` |
-/// | `ValueError`, `LinAlgError`, `OutOfMemoryError`, other kinds | `Error` |
-/// | plain `Error` about dtypes or devices (its message has `not implemented for '`, `scalar type`, `dtype`, `can't be cast to`, `device` or `Could not run '`) | `DtypeError` |
-/// | any other plain `Error` (ATen's `TORCH_CHECK` of arguments: mostly shapes) | `ShapeError` |
+/// - `c10::TypeError`, `c10::NotImplementedError` -> `DtypeError`;
+/// - `c10::IndexError` (a dimension or index out of range) -> `ShapeError`;
+/// - `c10::ValueError`, `LinAlgError`, `OutOfMemoryError` and other kinds -> `Error`;
+/// - a plain `c10::Error` about dtypes or devices (its message has `not implemented for '`,
+///   `scalar type`, `dtype`, `can't be cast to`, `device` or `Could not run '`, case
+///   ignored) -> `DtypeError`;
+/// - any other plain `c10::Error` (ATen's `TORCH_CHECK` of arguments: mostly shapes) ->
+///   `ShapeError`.
 ///
-/// The message test is needed because ATen 1.13 reports most dtype errors (`"addmm_impl_cpu_"
-/// not implemented for 'Half'`, `expected scalar type Float but found Double`) as a plain
-/// `c10::Error`.
+/// The message test is needed because ATen 1.13 reports most dtype errors
+/// (`"addmm_impl_cpu_" not implemented for 'Half'`, `expected scalar type Float but found
+/// Double`) as a plain `c10::Error`.
 
 #include <cstddef>
 #include <sstream>

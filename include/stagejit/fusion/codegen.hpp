@@ -205,8 +205,8 @@ inline void check_defined_inputs(const ir::Graph& subgraph, const std::vector<at
       const auto* op = n->get_if<ir::Op>();
       for (size_t k = 0; op && k < n->inputs().size(); ++k)
         if (n->inputs()[k] == v)
-          ::stagejit::detail::throw_error<Error>(group, ": op '", op->name, "': input ", k, " is undefined (group input ", i,
-                                     ")");
+          ::stagejit::detail::throw_error<Error>(group, ": op '", op->name, "': input ", k,
+                                                 " is undefined (group input ", i, ")");
     }
     ::stagejit::detail::throw_error<Error>(group, ": input ", i, " is undefined");
   }

@@ -18,9 +18,12 @@
 ///   header inputs without commas, value names like `%3.1`.
 /// Value names that start with a digit are not kept (the printer renumbers them).
 /// Any malformed text throws `ParseError` (1-based line:column, and what was expected).
+/// A tensor literal's sizes, value count and device are checked before it is allocated
+/// (sizes that overflow, a device this machine cannot hold: a ParseError at the literal).
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <optional>
@@ -288,7 +291,7 @@ class Parser {
     try {
       t = at::empty(sizes, at::TensorOptions().dtype(dtype));
     } catch (const c10::Error& e) {
-      fail(name, "cannot allocate the tensor literal: " + std::string(e.what_without_backtrace()));
+      fail(name, "cannot allocate the tensor literal: " + first_line(e.what_without_backtrace()));
     }
     for (int64_t i = 0; i < n; ++i)
       if (!set_element(t, i, values[i].text))
