@@ -17,6 +17,7 @@
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
+#include <stagejit/core/aten_error.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/memory/host_allocator.hpp>
 #include <stagejit/ops/ops.hpp>
@@ -334,6 +335,8 @@ void Pool::work(uint64_t generation) {
     std::rethrow_exception(task.error);
   } catch (const ShapeError& e) {
     throw ShapeError(prefix + e.what());
+  } catch (const DtypeError& e) {
+    throw DtypeError(prefix + e.what());
   } catch (const TraceError& e) {
     throw TraceError(prefix + e.what());
   } catch (const CompileError& e) {
@@ -343,7 +346,7 @@ void Pool::work(uint64_t generation) {
   } catch (const IrError& e) {
     throw IrError(prefix + e.what());
   } catch (const c10::Error& e) {
-    throw Error(prefix + e.what_without_backtrace());
+    rethrow_aten_error(e, prefix);
   } catch (const std::exception& e) {
     throw Error(prefix + e.what());
   } catch (...) {

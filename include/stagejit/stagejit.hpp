@@ -3,6 +3,7 @@
 /// One include for users: everything in docs/api.md. Users write `namespace sj = stagejit;`.
 
 #include <stagejit/core/detail/bodies_begin.hpp>
+#include <stagejit/core/aten_error.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/scalar.hpp>
 #include <stagejit/core/version.hpp>

@@ -150,6 +150,27 @@ TEST_CASE("an undefined incoming gradient adds nothing: no NaN from zeros times 
     auto g = sj::grad({o[1]}, {x}, {sj::Variable(at::ones({3}, at::kDouble))})[0];
     CHECK(max_abs_diff(g.data(), at::cos(x.data())) <= 1e-12);
   }
+  // The reproduction at order 2: stage 2 gets no gradient for d o[0] / d x either.
+  {
+    auto tx = at::tensor({1.0, 2.0, 3.0}, at::kDouble).set_requires_grad(true);
+    auto ty = at::full({3}, INFINITY, at::kDouble);
+    auto t_o = std::vector<torch::Tensor>{tx * ty, torch::sin(tx)};
+    auto t_g = torch::autograd::grad({t_o[1]}, {tx}, {torch::ones_like(tx)}, true, true)[0];
+    auto t_gg = torch::autograd::grad({t_g.sum()}, {tx})[0];
+    for (bool fuse : {true, false}) {
+      CAPTURE(fuse);
+      auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+        return {in[0] * in[1], sj::sin(in[0])};
+      }, {.derivatives = 2, .fuse = fuse});
+      sj::Variable x(tx.detach(), true), y(ty);
+      auto o = f({x, y});
+      auto g = sj::grad({o[1]}, {x}, {sj::Variable(at::ones({3}, at::kDouble))}, true)[0];
+      CHECK(max_abs_diff(g.data(), t_g) <= 1e-12);
+      auto gg = sj::grad({sj::sum(g)}, {x})[0];
+      CHECK(max_abs_diff(gg.data(), t_gg) <= 1e-12);
+      CHECK_FALSE(at::isnan(gg.data()).any().item<bool>());
+    }
+  }
   // The realistic form: {exp(x), tanh(x)} where exp overflows, orders 1 and 2.
   auto body = [](const sj::variable_list& in) -> sj::variable_list {
     return {sj::exp(in[0]), sj::tanh(in[0])};

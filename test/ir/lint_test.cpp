@@ -48,7 +48,20 @@ TEST_SUITE("ir") {
     expect_lint("graph(%x : Float(2)) {\n  %0 : Float(2) = Eval(%x);\n  return (%0);\n}\n", "handle", "%0 (Eval)", 2);
     expect_lint("graph(%x : Float(2)) {\n  %0 : Float(2), %1 : Handle = ^F[t]()(%x);\n  return (%1);\n}\n", "handle",
                 "return", 3);
-    expect_lint("graph(%h : Handle) {\n  return ();\n}\n", "handle", "%h (Param)", 0);
+    expect_lint("graph(%h : Handle) {\n  return ();\n}\n", "handle", "%h (Param)", 1);
+  }
+  TEST_CASE("lint: errors on graph inputs carry the input's position") {
+    // Issue 20, item 8: inputs were reported at 0:0.
+    auto g = ir::parse("graph(%x : Float(2),\n      %h : Handle) {\n  return ();\n}\n");
+    try {
+      ir::lint(*g);
+      FAIL("lint passed");
+    } catch (const ir::LintError& e) {
+      CHECK(e.rule() == "handle");
+      CHECK(e.location().line == 2);
+      CHECK(e.location().column == 7);
+      CHECK_MESSAGE(std::string(e.what()).find("graph input %h is a Handle") != std::string::npos, e.what());
+    }
   }
   TEST_CASE("lint: output groups hold outputs of their stage or earlier") {
     expect_lint(

@@ -62,12 +62,46 @@ const std::vector<Bad>& cases() {
       {"graph() {\n  %0 : Float(2) = Undefined[x=1]();\n", 2, 28, "Undefined takes no attributes"},
       {"graph() {\n  %0 : Float(2) = f[a=[1, \"s\"]]();\n", 2, 27, "list elements must all be numbers, strings or tensors"},
       {"graph() {\n  return (%0 | %1);\n}\n", 2, 11, "undefined value %0"},
+      // Tensor literals: sizes, value count and device are checked before allocating.
+      {"graph() {\n  %0 : Float(1) = Constant[value=Float(100000000000){1.0}]();\n", 2, 53,
+       "tensor literal of 100000000000 elements has 1 values"},
+      {"graph() {\n  %0 : Float(1) = Constant[value=Float(9223372036854775807, 9223372036854775807){1.0}]();\n", 2,
+       34, "tensor literal sizes [9223372036854775807, 9223372036854775807] overflow"},
+      {"graph() {\n  %0 : Float(1) = Constant[value=Float(0, 4611686018427387904, 4){}]();\n", 2, 34,
+       "tensor literal sizes [0, 4611686018427387904, 4] overflow"},
+      {"graph() {\n  %0 : Float(1) = Constant[value=Float(1){1.0, 2.0}]();\n", 2, 48,
+       "tensor literal has more than 1 values"},
+      {"graph() {\n  %0 : Float(2) = Constant[value=Float(2, device=meta){1.0, 2.0}]();\n", 2, 34,
+       "tensor literal on meta: literals hold CPU or CUDA tensors only"},
+      // A stage number beyond the limit, at the number.
+      {"graph() {\n  -------- stage 1048576 --------\n", 2, 18, "stage number 1048576 is out of range"},
+      {"graph(%x : Float(2),\n      -------- stage 1048576 --------\n      %g : Float(2)) {\n", 2, 22,
+       "stage number 1048576 is out of range"},
   };
   return all;
 }
 }  // namespace
 
 TEST_SUITE("ir") {
+  TEST_CASE("a tensor literal on a device this build cannot hold is a ParseError at the literal") {
+    // Issue 20, item 7: not ATen's dispatcher dump. On a machine with CUDA devices, one
+    // past the last is refused instead.
+    const std::string device =
+        at::hasCUDA() ? "cuda:" + std::to_string(at::getNumGPUs()) : std::string("cuda:0");
+    const std::string text =
+        "graph() {\n  %0 : Float(2) = Constant[value=Float(2, device=" + device + "){1.0, 2.0}]();\n";
+    CAPTURE(text);
+    try {
+      ir::parse(text);
+      FAIL("parsed without error");
+    } catch (const stagejit::ParseError& e) {
+      CHECK(e.line() == 2);
+      CHECK(e.column() == 34);
+      CHECK_MESSAGE(e.message().rfind("tensor literal on " + device + ": ", 0) == 0, e.what());
+      CHECK_MESSAGE(e.message().find('\n') == std::string::npos, e.what());
+    }
+  }
+
   TEST_CASE("malformed IR text throws ParseError at the expected line:column") {
     REQUIRE(cases().size() >= 25);
     for (const Bad& b : cases()) {

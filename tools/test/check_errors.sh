@@ -21,6 +21,7 @@ expect() {  # file expected-stderr-line
 
 expect malformed.ir "$dir/malformed.ir:3:31: expected ',' or ')' after an input, found ';'"
 expect lint_error.ir "$dir/lint_error.ir:4:3: lint: node %0 (mul) at stage 0: rule 'stage'"
+expect lint_input.ir "$dir/lint_input.ir:2:7: lint: node %h (Param) at stage 0: rule 'handle': graph input %h is a Handle"
 # --stage K runs the closures: deterministic for a seed, every stage's outputs printed,
 # a stage past the last one rejected with exit status 2.
 ex="$dir/../../examples/tanh_mlp.ir"

@@ -139,6 +139,8 @@ STAGEJIT_FUNC void Variable::backward(const Variable& grad_output, bool create_g
 STAGEJIT_FUNC SavedVariable::SavedVariable(const Variable& v, bool is_output) {
   if (!v.defined()) return;
   data_ = v.data();
+  tracks_version_ = !data_.is_inference();
+  if (tracks_version_) saved_version_ = data_._version();
   is_output_ = is_output;
   requires_grad_ = v.requires_grad();
   if (is_output) {
@@ -149,8 +151,18 @@ STAGEJIT_FUNC SavedVariable::SavedVariable(const Variable& v, bool is_output) {
   }
 }
 
-STAGEJIT_FUNC Variable SavedVariable::unpack(const std::shared_ptr<Function>& owner) const {
+STAGEJIT_FUNC Variable SavedVariable::unpack(const std::shared_ptr<Function>& owner, std::size_t index,
+                                            const char* role) const {
   if (!data_.defined()) return {};
+  if (tracks_version_ && data_._version() != saved_version_) {
+    throw Error(detail::str_cat(
+        "one of the variables needed for gradient computation has been modified by an "
+        "inplace operation: saved ", role ? role : (is_output_ ? "output" : "input"), " ", index,
+        " of ", owner ? owner->name() : std::string("a function"), ", a ", data_.scalar_type(),
+        " tensor of shape ", shape_str(data_.sizes()),
+        ", is at version ", data_._version(), "; expected version ", saved_version_,
+        " instead (it was modified in place after the forward saved it)"));
+  }
   if (!is_output_) return Variable::from_impl(input_);
   if (auto alive = output_.lock()) return Variable::from_impl(std::move(alive));
   if (!requires_grad_ || !owner) return Variable(data_);
@@ -199,8 +211,8 @@ STAGEJIT_FUNC variable_list apply_op_backward(Function& self, OpBackward& ob, va
   if (!any) return undefined_list(n);
   auto me = self.shared_from_this();
   variable_list inputs(ob.saved_inputs.size()), outputs(ob.saved_outputs.size());
-  for (std::size_t i = 0; i < inputs.size(); ++i) inputs[i] = ob.saved_inputs[i].unpack(me);
-  for (std::size_t i = 0; i < outputs.size(); ++i) outputs[i] = ob.saved_outputs[i].unpack(me);
+  for (std::size_t i = 0; i < inputs.size(); ++i) inputs[i] = ob.saved_inputs[i].unpack(me, i);
+  for (std::size_t i = 0; i < outputs.size(); ++i) outputs[i] = ob.saved_outputs[i].unpack(me, i);
   uint64_t mask = 0;
   for (std::size_t i = 0; i < n && i < 64; ++i)
     if (self.next_functions[i].is_valid() && engine::should_compute_output(self, i))
@@ -509,7 +521,7 @@ STAGEJIT_FUNC variable_list HostContext::get_saved_variables() const {
   auto owner = owner_.lock();
   variable_list out;
   out.reserve(saved_.size());
-  for (const auto& s : saved_) out.push_back(s.unpack(owner));
+  for (std::size_t i = 0; i < saved_.size(); ++i) out.push_back(saved_[i].unpack(owner, i, "variable"));
   return out;
 }
 
@@ -575,17 +587,29 @@ STAGEJIT_FUNC variable_list apply_host_backward(Function& self, HostBackward& hb
   {
     TraceHookGuard suspend(hb.traceable ? current_trace_hook() : nullptr);
     results = hb.backward(hb.ctx.get(), grads);
-  }
-  STAGEJIT_CHECK(results.size() == hb.input_meta.size(), "HostFunction '", hb.name,
-                 "': backward returned ", results.size(), " gradients, expected ",
-                 hb.input_meta.size(), " (one per tensor input)");
-  for (std::size_t i = 0; i < results.size(); ++i) {
-    if (!results[i].defined()) continue;
-    STAGEJIT_CHECK_AS(ShapeError, results[i].sizes() == at::IntArrayRef(hb.input_meta[i].sizes),
-                      "HostFunction '", hb.name, "': backward gradient ", i, " has shape ",
-                      shape_str(results[i].sizes()), ", expected ",
-                      shape_str(hb.input_meta[i].sizes), " (the shape of input ", i, ")");
-    if (!self.next_functions[i].is_valid()) results[i] = Variable();
+    STAGEJIT_CHECK(results.size() == hb.input_meta.size(), "HostFunction '", hb.name,
+                   "': backward returned ", results.size(), " gradients, expected ",
+                   hb.input_meta.size(), " (one per tensor input)");
+    // As libtorch's validate_outputs: the shape and device must be the input's, another
+    // dtype is cast to the input's (inside the suspended hook: part of the opaque backward).
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      if (!results[i].defined()) continue;
+      const InputMeta& meta = hb.input_meta[i];
+      STAGEJIT_CHECK_AS(ShapeError, results[i].sizes() == at::IntArrayRef(meta.sizes),
+                        "HostFunction '", hb.name, "': backward gradient ", i, " has shape ",
+                        shape_str(results[i].sizes()), ", expected ", shape_str(meta.sizes),
+                        " (the shape of input ", i, ")");
+      STAGEJIT_CHECK(results[i].data().device() == meta.options.device(), "HostFunction '",
+                     hb.name, "': backward gradient ", i, " is on device ",
+                     results[i].data().device(), ", expected ", meta.options.device(),
+                     " (the device of input ", i, ")");
+      if (!self.next_functions[i].is_valid()) {
+        results[i] = Variable();
+        continue;
+      }
+      const at::ScalarType dtype = meta.options.dtype().toScalarType();
+      if (results[i].scalar_type() != dtype) results[i] = to(results[i], dtype);
+    }
   }
   std::shared_ptr<Function> backward_of_outputs;
   bool any_rg = false;

@@ -14,7 +14,10 @@ namespace stagejit {
 /// Throws `Error`: an output or input that does not require grad, a non-scalar output with
 /// no grad_output ("grad can be implicitly created only for scalar outputs"), a
 /// grad_output of another shape (`ShapeError`), an unused input unless `allow_unused`
-/// (then undefined).
+/// (then undefined), a tensor a backward saved that was modified in place after the
+/// forward (its version counter moved, as libtorch checks). A grad_output of another
+/// dtype than its output is accepted and cast where the gradient meets a function, as in
+/// libtorch (compiled stages cast it to the traced dtype).
 variable_list grad(const variable_list& outputs, const variable_list& inputs,
                    const variable_list& grad_outputs = {}, bool create_graph = false,
                    bool allow_unused = false);

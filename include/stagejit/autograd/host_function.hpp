@@ -15,8 +15,10 @@
 /// `static constexpr bool traceable = true`, the trace hook is suspended during forward and
 /// backward and sees one host op / one opaque backward (`record_eval`). When the backward
 /// runs with create_graph, its results get an `Eval` grad_fn, so the backward of the
-/// backward is opaque again. Errors: a backward returning the wrong number of gradients
-/// (`Error`) or a gradient of the wrong shape (`ShapeError`), both naming the function.
+/// backward is opaque again. As in libtorch, a gradient the backward returns in another
+/// dtype than its input's is cast to the input's dtype. Errors, naming the function and
+/// the input: a backward returning the wrong number of gradients (`Error`), a gradient of
+/// the wrong shape (`ShapeError`) or on another device than its input (`Error`).
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/function.hpp>

@@ -25,6 +25,10 @@
 ///   between) is returned as a view of it, never as the caller's tensor itself.
 /// - Outputs get a grad_fn only in grad mode (stage 0: the caller's; stage k >= 1: the
 ///   backward's create_graph), as eager autograd does.
+/// - A cross-stage value keeps the version (`at::Tensor::_version()`) it had when captured;
+///   a later stage reading it throws `Error` when it was modified in place since, as
+///   libtorch refuses a saved variable modified in place. A gradient fed to stage k >= 1
+///   in another dtype than traced is cast to the traced dtype, as libtorch casts it.
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/engine.hpp>
@@ -42,6 +46,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -155,12 +160,19 @@ struct MultiStageClosure {
 /// Runs stage `stage` of a MultiStageClosure for one call; see the file comment.
 class StageCall final : public ClosureImpl {
  public:
+  /// `env_versions` (optional, one per slot): the version (`at::Tensor::_version()`) each
+  /// env value had when it was captured, -1 for none; empty: their versions now.
   StageCall(std::shared_ptr<const MultiStageClosure> desc, std::size_t stage,
             std::vector<Variable> env_values, std::vector<std::shared_ptr<Function>> env_handles,
-            std::vector<Edge> input_edges)
+            std::vector<Edge> input_edges, std::vector<int64_t> env_versions = {})
       : desc_(std::move(desc)), stage_(stage), env_values_(std::move(env_values)),
-        env_handles_(std::move(env_handles)), input_edges_(std::move(input_edges)) {
+        env_handles_(std::move(env_handles)), input_edges_(std::move(input_edges)),
+        env_versions_(std::move(env_versions)) {
     name_ = "CompiledStage" + std::to_string(stage_);
+    if (env_versions_.empty()) {
+      env_versions_.reserve(env_values_.size());
+      for (const auto& v : env_values_) env_versions_.push_back(version_of(v));
+    }
   }
 
   std::string_view name() const override { return name_; }
@@ -170,8 +182,10 @@ class StageCall final : public ClosureImpl {
 
   /// Runs the stage on `inputs` (one per stage input) without autograd linkage: fills
   /// `state` with the stage's outputs (`state.outputs`, one per stage output) and what it
-  /// captured for later stages. Throws `Error` naming the stage and input for a wrong
-  /// count, `ShapeError` for a shape or dtype other than traced.
+  /// captured for later stages. An input of a later stage (a gradient) of another dtype
+  /// than traced is cast to the traced dtype (as libtorch casts gradients). Throws `Error`
+  /// naming the stage and input for a wrong count, `ShapeError` for a shape other than
+  /// traced.
   ///
   /// `needed` (optional, one per stage output) and `captures` select the stage variant
   /// (Note [Stage variants]) when the closure specialises; by default every output is
@@ -217,16 +231,22 @@ class StageCall final : public ClosureImpl {
         continue;
       }
       if (type && stage_ > 0) {
-        STAGEJIT_CHECK_AS(ShapeError, inputs[i].sizes() == at::IntArrayRef(type->sizes) &&
-                                          inputs[i].scalar_type() == type->dtype,
+        STAGEJIT_CHECK_AS(ShapeError, inputs[i].sizes() == at::IntArrayRef(type->sizes),
                           "compiled stage ", stage_, ": input ", i, " has shape ",
                           inputs[i].sizes(), " and dtype ", inputs[i].scalar_type(),
                           ", traced with ", at::IntArrayRef(type->sizes), " and ", type->dtype);
+        // A gradient of another dtype is cast to the traced one, as libtorch's engine
+        // casts a gradient to its input's dtype (validate_outputs).
+        if (inputs[i].scalar_type() != type->dtype) {
+          leaves.emplace_back(inputs[i].data().to(type->dtype));
+          continue;
+        }
       }
       leaves.emplace_back(inputs[i].data());
     }
     for (std::size_t slot : sc.prev_slots) {
       if (prev_defined(slot)) {
+        check_version(slot);
         leaves.emplace_back(env_values_[slot].data());
       } else if (zeros_are_symbolic) {
         leaves.emplace_back();
@@ -261,9 +281,9 @@ class StageCall final : public ClosureImpl {
     const auto& d = *desc_;
     STAGEJIT_CHECK(stage_ + 1 < d.num_stages(), "compiled stage ", stage_,
                    " is the last of ", d.num_stages(), " stages");
-    auto [values, handles] = primed(state);
+    auto [values, handles, versions] = primed(state);
     return std::make_shared<StageCall>(desc_, stage_ + 1, std::move(values), std::move(handles),
-                                       input_edges_);
+                                       input_edges_, std::move(versions));
   }
 
   /// Runs the stage on `inputs` (see `run`) and links its outputs to the next stage as
@@ -367,26 +387,59 @@ class StageCall final : public ClosureImpl {
                                          "CompileOptions::derivatives"},
                            std::move(live), num_grads);
     }
-    auto [values, handles] = primed(state);
+    auto [values, handles, versions] = primed(state);
     std::vector<Edge> next_edges;
     for (std::size_t gi : d.gradient_of[next]) next_edges.push_back(gi < edges.size() ? edges[gi] : Edge{});
-    auto impl = std::make_shared<StageCall>(desc_, next, std::move(values), std::move(handles), edges);
+    auto impl = std::make_shared<StageCall>(desc_, next, std::move(values), std::move(handles), edges,
+                                            std::move(versions));
     return make_function(ClosureFunction{std::move(impl)}, std::move(next_edges), num_grads);
   }
 
   /// The cross-stage values and Handles a stage after this one reads, from this call's
-  /// captures or (for values of earlier stages) what this call was primed with.
-  std::pair<std::vector<Variable>, std::vector<std::shared_ptr<Function>>> primed(
-      const CallState& state) const {
+  /// captures or (for values of earlier stages) what this call was primed with, and the
+  /// versions of those values when captured (now for this call's captures).
+  std::tuple<std::vector<Variable>, std::vector<std::shared_ptr<Function>>, std::vector<int64_t>>
+  primed(const CallState& state) const {
     const auto& d = *desc_;
     std::vector<Variable> values(d.plan.num_slots());
     std::vector<std::shared_ptr<Function>> handles(d.plan.num_slots());
+    std::vector<int64_t> versions(d.plan.num_slots(), -1);
     for (std::size_t slot : d.plan.needed_after(stage_)) {
-      if (state.values[slot].defined()) values[slot] = state.values[slot];
-      else if (slot < env_values_.size()) values[slot] = env_values_[slot];
+      if (state.values[slot].defined()) {
+        values[slot] = state.values[slot];
+        versions[slot] = version_of(values[slot]);
+      } else if (slot < env_values_.size()) {
+        values[slot] = env_values_[slot];
+        versions[slot] = slot < env_versions_.size() ? env_versions_[slot] : version_of(values[slot]);
+      }
       if (slot < state.handles.size() && state.handles[slot]) handles[slot] = state.handles[slot];
     }
-    return {std::move(values), std::move(handles)};
+    return {std::move(values), std::move(handles), std::move(versions)};
+  }
+
+  /// The version counter of `v`'s tensor (`at::Tensor::_version()`), -1 when it has none
+  /// (undefined, or an inference tensor).
+  static int64_t version_of(const Variable& v) {
+    if (!v.defined() || v.data().is_inference()) return -1;
+    return static_cast<int64_t>(v.data()._version());
+  }
+
+  /// Throws `Error` when the env value of `slot` was modified in place since an earlier
+  /// stage captured it, as libtorch refuses a modified saved variable.
+  void check_version(std::size_t slot) const {
+    const int64_t saved = slot < env_versions_.size() ? env_versions_[slot] : -1;
+    if (saved < 0) return;
+    const int64_t now = version_of(env_values_[slot]);
+    if (now == saved) return;
+    const auto& d = *desc_;
+    const ir::Value* v = d.plan.slot_value(slot);
+    const at::Tensor& t = env_values_[slot].data();
+    ::stagejit::detail::throw_error<Error>(
+        "compiled stage ", stage_, ": one of the variables needed for gradient computation has been "
+        "modified by an inplace operation: %", v->has_name() ? v->name() : std::to_string(v->id()),
+        " (", v->node()->is<ir::Param>() ? "an input" : "a value", " of stage ", v->stage(), ", a ",
+        t.scalar_type(), " tensor of shape ", t.sizes(), "), saved for this stage, is at version ",
+        now, "; expected version ", saved, " instead (it was modified in place after it was saved)");
   }
 
   std::shared_ptr<const MultiStageClosure> desc_;
@@ -394,6 +447,7 @@ class StageCall final : public ClosureImpl {
   std::vector<Variable> env_values_;
   std::vector<std::shared_ptr<Function>> env_handles_;
   std::vector<Edge> input_edges_;
+  std::vector<int64_t> env_versions_;  ///< per slot: the env value's version when captured, or -1
   std::string name_;
 };
 

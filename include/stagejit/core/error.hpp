@@ -5,6 +5,23 @@
 /// Every error a user can cause is reported by throwing a subclass of
 /// `stagejit::Error` whose message names the node, value, function or stage concerned
 /// and what was expected. Internal invariants use `STAGEJIT_ASSERT` (debug builds only).
+///
+/// ATen errors. An op that ATen refuses reports ATen's message (without its backtrace)
+/// after the op's name, as the stagejit class of its kind (`rethrow_aten_error` in
+/// core/aten_error.hpp; the autograd engine maps errors escaping a Function the same way):
+///
+/// - `c10::TypeError`, `c10::NotImplementedError` -> `DtypeError`;
+/// - `c10::IndexError` (a dimension or index out of range) -> `ShapeError`;
+/// - `c10::ValueError`, `LinAlgError`, `OutOfMemoryError` and other kinds -> `Error`;
+/// - a plain `c10::Error` about dtypes or devices (its message has `not implemented for '`,
+///   `scalar type`, `dtype`, `can't be cast to`, `device` or `Could not run '`, case
+///   ignored) -> `DtypeError`;
+/// - any other plain `c10::Error` (ATen's `TORCH_CHECK` of arguments: mostly shapes) ->
+///   `ShapeError`.
+///
+/// The message test is needed because ATen 1.13 reports most dtype errors
+/// (`"addmm_impl_cpu_" not implemented for 'Half'`, `expected scalar type Float but found
+/// Double`) as a plain `c10::Error`.
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <cstddef>
@@ -58,6 +75,13 @@ class CompileError : public Error {
 
 /// Tensor shapes that do not fit an op or a traced signature.
 class ShapeError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A tensor's dtype (or device) that an op or a traced signature does not support, or
+/// tensors whose dtypes (or devices) do not agree; see "ATen errors" above.
+class DtypeError : public Error {
  public:
   using Error::Error;
 };

@@ -185,9 +185,34 @@ inline Attributes to_core_attributes(const ir::Op& op) {
   }
 }
 
+namespace detail {
+
+/// Throws `Error` for the first undefined tensor in `inputs` (one per input of the group
+/// `subgraph`), as the op reading it would outside a group: "fusion_group_3: op 'mul':
+/// input 1 is undefined (group input 0)". `group_name` empty: "a fusion group".
+inline void check_defined_inputs(const ir::Graph& subgraph, const std::vector<at::Tensor>& inputs,
+                                 const std::string& group_name) {
+  for (size_t i = 0; i < inputs.size() && i < subgraph.inputs().size(); ++i) {
+    if (inputs[i].defined()) continue;
+    const std::string group = group_name.empty() ? std::string("a fusion group") : group_name;
+    const ir::Value* v = subgraph.inputs()[i];
+    for (const ir::Node* n : subgraph.nodes()) {
+      const auto* op = n->get_if<ir::Op>();
+      for (size_t k = 0; op && k < n->inputs().size(); ++k)
+        if (n->inputs()[k] == v)
+          ::stagejit::detail::throw_error<Error>(group, ": op '", op->name(), "': input ", k,
+                                                 " is undefined (group input ", i, ")");
+    }
+    ::stagejit::detail::throw_error<Error>(group, ": input ", i, " is undefined");
+  }
+}
+
+}  // namespace detail
+
 /// Runs `subgraph`'s nodes one by one (`semantics::run_pure`: ATen eager): the fallback
-/// of `run_fused` and the oracle of its tests. Throws what `run_forward` throws, and
-/// FusionError for a node that is not an op or an attribute a table op cannot take.
+/// of `run_fused` and the oracle of its tests. Throws `Error` naming the op and input for
+/// an undefined input (as `ops::apply` does), what `run_forward` throws, and FusionError
+/// for a node that is not an op or an attribute a table op cannot take.
 inline std::vector<at::Tensor> run_unfused(const ir::Graph& subgraph, const std::vector<at::Tensor>& inputs) {
   STAGEJIT_CHECK_AS(FusionError, inputs.size() == subgraph.inputs().size(), "fusion: the group has ",
                     subgraph.inputs().size(), " inputs but was given ", inputs.size(), " tensors");
@@ -197,7 +222,10 @@ inline std::vector<at::Tensor> run_unfused(const ir::Graph& subgraph, const std:
     const auto* op = n->get_if<ir::Op>();
     STAGEJIT_CHECK_AS(FusionError, op, "fusion: node #", n->id(), " (", n->describe(), ") is not an op");
     std::vector<at::Tensor> args;
-    for (const ir::Value* v : n->inputs()) args.push_back(env.at(v));
+    for (const ir::Value* v : n->inputs()) {
+      args.push_back(env.at(v));
+      STAGEJIT_CHECK(args.back().defined(), "op '", op->name(), "': input ", args.size() - 1, " is undefined");
+    }
     std::vector<at::Tensor> outs;
     try {
       outs = semantics::run_pure(*n, args);
@@ -366,12 +394,14 @@ inline std::vector<at::Tensor> run_planned(const GroupPlan& plan, const ir::Grap
 /// text). When no kernel can be used (anything `generate` refuses, or FusionError from
 /// the backend such as a missing compiler), runs the nodes one by one with `run_unfused`
 /// instead and prints a one-time warning per group on stderr. Throws ShapeError when the
-/// inputs do not broadcast, and what `run_unfused` throws. For repeated calls of one
-/// group use `FusedGroup`, which memoises all of this per input signature.
+/// inputs do not broadcast, `Error` naming the group, op and input for an undefined input
+/// (as the op would outside a group), and what `run_unfused` throws. For repeated calls
+/// of one group use `FusedGroup`, which memoises all of this per input signature.
 inline std::vector<at::Tensor> run_fused(const ir::Graph& subgraph, const std::vector<at::Tensor>& inputs,
                                          const RunFusedOptions& options = {}) {
   STAGEJIT_CHECK_AS(FusionError, inputs.size() == subgraph.inputs().size(), "fusion: the group has ",
                     subgraph.inputs().size(), " inputs but was given ", inputs.size(), " tensors");
+  detail::check_defined_inputs(subgraph, inputs, options.group_name);
   const std::string text = ir::to_string(subgraph);
   CpuBackend& backend = options.backend ? *options.backend : default_cpu_backend();
   detail::GroupPlan plan = detail::plan_group(subgraph, text, inputs, backend);
@@ -401,6 +431,7 @@ class FusedGroup {
     STAGEJIT_CHECK_AS(FusionError, inputs.size() == subgraph_->inputs().size(), "fusion: ", name_,
                       " has ", subgraph_->inputs().size(), " inputs but was given ", inputs.size(),
                       " tensors");
+    detail::check_defined_inputs(*subgraph_, inputs, name_);
     Signature sig;
     sig.reserve(inputs.size() * 4);
     for (const auto& x : inputs) {

@@ -18,10 +18,13 @@
 ///   header inputs without commas, value names like `%3.1`.
 /// Value names that start with a digit are not kept (the printer renumbers them).
 /// Any malformed text throws `ParseError` (1-based line:column, and what was expected).
+/// A tensor literal's sizes, value count and device are checked before it is allocated
+/// (sizes that overflow, a device this machine cannot hold: a ParseError at the literal).
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <optional>
@@ -114,7 +117,9 @@ class Parser {
     expect_keyword("stage");
     Token num = lex_.next();
     int64_t k = parse_int(num, "a stage number");
-    if (k < 0 || k > (1 << 20)) fail(num, "stage number " + num.text + " is out of range");
+    // Graph::ensure_stage's limit, checked here so the error points at the number.
+    if (k < 0 || k >= (int64_t(1) << 20))
+      fail(num, "stage number " + num.text + " is out of range (0 to " + std::to_string((1 << 20) - 1) + ")");
     Token close = lex_.next();
     if (close.kind != TokenKind::Dashes) fail(close, "expected '--------' after the stage number, found " + close.describe());
     if (size_t(k) <= current)
@@ -251,30 +256,78 @@ class Parser {
     fail(open, "list elements must all be numbers, strings or tensors");
   }
 
-  // `Float(2, 2){1.0, 2.0, 3.0, 4.0}` after the dtype name.
+  // `Float(2, 2){1.0, 2.0, 3.0, 4.0}` after the dtype name. Sizes and device are checked
+  // and the values counted before anything is allocated, so a literal's declared sizes
+  // never allocate more than its text holds.
   at::Tensor parse_tensor(const Token& name, at::ScalarType dtype) {
     auto [sizes, marks, device] = parse_dims();
     for (size_t d = 0; d < marks.size(); ++d)
       if (marks[d]) fail(name, "a tensor literal's sizes cannot carry '!'");
+    // The element count, and the extent in bytes of a contiguous tensor of these sizes
+    // (zero sizes counted as 1: ATen's strides must fit too), without overflow.
+    int64_t n = 1, extent = static_cast<int64_t>(c10::elementSize(dtype));
+    for (int64_t s : sizes)
+      if (__builtin_mul_overflow(n, s, &n) || __builtin_mul_overflow(extent, std::max<int64_t>(s, 1), &extent))
+        fail(name, "tensor literal sizes " + sizes_text(sizes) + " overflow: " + std::string(c10::toString(dtype)) +
+                       " tensors of these sizes do not fit in 64-bit sizes and strides");
+    check_literal_device(name, device);
     Token open = expect_punct('{', "to open the tensor values");
-    at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(dtype));
-    int64_t n = t.numel(), i = 0;
+    std::vector<Token> values;
     if (!accept('}')) {
       for (;;) {
         Token v = lex_.next();
-        if (i >= n) fail(v, "tensor literal has more than " + std::to_string(n) + " values");
-        if ((v.kind != TokenKind::Number && v.kind != TokenKind::Ident) || !set_element(t, i, v.text))
+        if (int64_t(values.size()) >= n) fail(v, "tensor literal has more than " + std::to_string(n) + " values");
+        if (v.kind != TokenKind::Number && v.kind != TokenKind::Ident)
           fail(v, "expected a " + std::string(c10::toString(dtype)) + " value, found " + v.describe());
-        ++i;
+        values.push_back(std::move(v));
         Token sep = lex_.next();
         if (sep.is('}')) break;
         if (!sep.is(',')) fail(sep, "expected ',' or '}' in tensor values, found " + sep.describe());
       }
     }
-    if (i != n)
-      fail(open, "tensor literal of " + std::to_string(n) + " elements has " + std::to_string(i) + " values");
-    return device == at::Device(at::kCPU) ? t : t.to(device);
+    if (int64_t(values.size()) != n)
+      fail(open, "tensor literal of " + std::to_string(n) + " elements has " + std::to_string(values.size()) +
+                     " values");
+    at::Tensor t;
+    try {
+      t = at::empty(sizes, at::TensorOptions().dtype(dtype));
+    } catch (const c10::Error& e) {
+      fail(name, "cannot allocate the tensor literal: " + first_line(e.what_without_backtrace()));
+    }
+    for (int64_t i = 0; i < n; ++i)
+      if (!set_element(t, i, values[i].text))
+        fail(values[i], "expected a " + std::string(c10::toString(dtype)) + " value, found " + values[i].describe());
+    if (device.is_cpu()) return t;
+    try {
+      return t.to(device);
+    } catch (const c10::Error& e) {
+      fail(name, "cannot place the tensor literal on " + device.str() + ": " + first_line(e.what_without_backtrace()));
+    }
   }
+
+  // A tensor literal's device must be one this build and machine can hold: the CPU, or a
+  // CUDA device that exists.
+  void check_literal_device(const Token& name, const at::Device& device) {
+    if (device.is_cpu()) return;
+    if (device.is_cuda()) {
+      if (!at::hasCUDA())
+        fail(name, "tensor literal on " + device.str() +
+                       ": no CUDA device is available to hold it (at::hasCUDA() is false)");
+      if (device.has_index() && size_t(device.index()) >= at::getNumGPUs())
+        fail(name, "tensor literal on " + device.str() + ": there are only " + std::to_string(at::getNumGPUs()) +
+                       " CUDA devices");
+      return;
+    }
+    fail(name, "tensor literal on " + device.str() + ": literals hold CPU or CUDA tensors only");
+  }
+
+  static std::string sizes_text(const std::vector<int64_t>& sizes) {
+    std::string out = "[";
+    for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+    return out + "]";
+  }
+
+  static std::string first_line(std::string_view text) { return std::string(text.substr(0, text.find('\n'))); }
 
   template <class K>
   K attribute_kind_from(const Token& op, AttributeList attrs, const std::vector<Token>& attr_tokens) {
@@ -532,7 +585,9 @@ class Parser {
         if (name.kind != TokenKind::ValueRef) fail(name, "expected a graph input (%name : Type), found " + name.describe());
         expect_punct(':', "after the input name");
         Type type = parse_type();
-        define(scope, name, g->add_input(type, stage));
+        Value* input = g->add_input(type, stage);
+        input->node()->set_location({name.line, name.column});
+        define(scope, name, input);
         const Token& sep = lex_.peek();
         if (sep.is(')')) {
           lex_.next();

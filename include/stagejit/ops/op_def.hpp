@@ -42,7 +42,8 @@ struct BackwardArgs {
 /// One op of the table: its schema (ops/op_schema.hpp: what the IR, passes and fuser
 /// know of it) and what running it takes (forward, backward formula).
 struct OpDef : OpSchema {
-  /// Forward on ATen tensors. Throws ShapeError (via `run_forward`) on bad shapes.
+  /// Forward on ATen tensors. ATen's errors become `ShapeError` / `DtypeError` / `Error`
+  /// (via `run_forward`).
   std::vector<at::Tensor> (*forward)(const std::vector<at::Tensor>& inputs,
                                      const Attributes& attrs) = nullptr;
   /// Backward formula in stagejit ops: one gradient per input (undefined = zero / none).
@@ -63,9 +64,10 @@ const OpDef& get(std::string_view name);
 /// Every op of the table, in `OpId` order.
 const std::vector<const OpDef*>& all();
 
-/// Runs the forward of `op` on tensors (no autograd, no trace hook). Throws `ShapeError`
-/// naming the op for ATen errors and `Error` for a wrong number of inputs or a missing
-/// or mistyped attribute.
+/// Runs the forward of `op` on tensors (no autograd, no trace hook). Throws, naming the
+/// op, the stagejit class of an ATen error (`ShapeError` for shapes, `DtypeError` for
+/// dtypes or devices, else `Error`: core/error.hpp, "ATen errors") and `Error` for a
+/// wrong number of inputs or a missing or mistyped attribute.
 std::vector<at::Tensor> run_forward(const OpDef& op, const std::vector<at::Tensor>& inputs,
                                     const Attributes& attrs);
 

@@ -12,6 +12,7 @@
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
 #include <stagejit/autograd/variable.hpp>
+#include <stagejit/core/aten_error.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/ops/op_def.hpp>
 #include <stagejit/ops/ops.hpp>
@@ -626,8 +627,10 @@ STAGEJIT_FUNC std::vector<at::Tensor> run_forward(const OpDef& op, const std::ve
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return op.forward(inputs, attrs);
   } catch (const c10::Error& e) {
-    throw ShapeError(detail::str_cat("op '", op.name, "': ", e.what_without_backtrace()));
+    rethrow_aten_error(e, detail::str_cat("op '", op.name, "': "));
   } catch (const ShapeError&) {
+    throw;
+  } catch (const DtypeError&) {
     throw;
   } catch (const Error& e) {
     throw Error(detail::str_cat("op '", op.name, "': ", e.what()));
@@ -644,6 +647,17 @@ STAGEJIT_FUNC variable_list apply(const OpDef& op, const variable_list& inputs, 
     any_requires_grad = any_requires_grad || inputs[i].requires_grad();
   }
   std::vector<at::Tensor> outs = run_forward(op, tensors, attrs);
+  // A view shares its base's version counter, as ATen's ADInplaceOrView kernels (which
+  // run_forward skips) make it, so a saved view sees an in-place change of its base.
+  for (auto& o : outs) {
+    if (!o.defined() || o.is_inference()) continue;
+    for (const auto& in : tensors) {
+      if (in.unsafeGetTensorImpl() == o.unsafeGetTensorImpl() || in.is_inference() || !o.is_alias_of(in))
+        continue;
+      o.unsafeGetTensorImpl()->set_version_counter(in.unsafeGetTensorImpl()->version_counter());
+      break;
+    }
+  }
   variable_list results;
   results.reserve(outs.size());
   if (any_requires_grad && op.differentiable && op.backward && GradMode::is_enabled()) {

@@ -3,7 +3,9 @@
 /// The differentiable ops of docs/api.md (and the helpers their backward formulas use), as free
 /// functions with ATen's names, argument order, broadcasting and type promotion. Each runs
 /// one entry of the op table (`ops/op_def.hpp`), so it is differentiable to any order and
-/// reported to the trace hook. Errors: `ShapeError` naming the op for shapes ATen rejects.
+/// reported to the trace hook. Errors, naming the op: `ShapeError` for shapes ATen rejects,
+/// `DtypeError` for dtypes (or devices) it rejects, `Error` for other ATen errors and an
+/// undefined input (core/error.hpp, "ATen errors").
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
