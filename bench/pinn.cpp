@@ -19,6 +19,7 @@
 //
 // Options: --dtype float|double (default float), --collocation N (default 10 000),
 // --rounds R (default 20), --warmup W (default 3), --seed S.
+#include "../examples/cli.hpp"
 #include "../examples/pinn/burgers.hpp"
 #include "bench_util.hpp"
 
@@ -155,15 +156,7 @@ int main(int argc, char** argv) {
   app.add_flag("--level-field", level_field,
                "glibc keeps freed memory in the heap (mallopt, as bench/closure's level field), so "
                "no mode pays page faults for fresh blocks: libtorch's time stops being bimodal");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::printf("%s", app.help().c_str());
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "error: %s (see --help)\n", e.what());
-    return 2;
-  }
+  if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
 
   if (level_field && (mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 || mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1)) {
     std::fprintf(stderr, "error: mallopt refused the level-field settings\n");

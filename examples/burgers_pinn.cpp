@@ -14,6 +14,7 @@
 // (Cole-Hopf, computed by quadrature here) on the paper's 100 x 256 grid; --plot draws
 // exact, predicted and |error| as heatmaps. examples/pinn/burgers.hpp holds the problem.
 
+#include "cli.hpp"
 #include "pinn/burgers.hpp"
 #include "pinn/plot.hpp"
 
@@ -403,17 +404,7 @@ int main(int argc, char** argv) {
   eager->excludes(lt)->excludes(cl)->excludes(cmp);
   lt->excludes(cl)->excludes(cmp);
   cl->excludes(cmp);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::printf("%s", app.help().c_str());
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::string msg = e.what();
-    std::replace(msg.begin(), msg.end(), '\n', ' ');
-    std::fprintf(stderr, "error: %s (see --help)\n", msg.c_str());
-    return 2;
-  }
+  if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
   if (o.paper) o.adam = 0, o.lbfgs = kPaperLbfgs;
   if (o.adam == 0 && o.lbfgs == 0) {
     std::fprintf(stderr, "error: --adam and --lbfgs are both 0: nothing to train (see --help)\n");

@@ -329,22 +329,10 @@ void Pool::work(uint64_t generation) {
   }
 }
 
-[[noreturn]] void rethrow_with_name(const GraphTask& task) {
-  const std::string prefix = "Function '" + task.error_fn + "': ";
+// `error` (not a stagejit class below) as a stagejit error with `prefix`.
+[[noreturn]] void rethrow_other(const std::exception_ptr& error, const std::string& prefix) {
   try {
-    std::rethrow_exception(task.error);
-  } catch (const ShapeError& e) {
-    throw ShapeError(prefix + e.what());
-  } catch (const DtypeError& e) {
-    throw DtypeError(prefix + e.what());
-  } catch (const TraceError& e) {
-    throw TraceError(prefix + e.what());
-  } catch (const CompileError& e) {
-    throw CompileError(prefix + e.what());
-  } catch (const FusionError& e) {
-    throw FusionError(prefix + e.what());
-  } catch (const IrError& e) {
-    throw IrError(prefix + e.what());
+    std::rethrow_exception(error);
   } catch (const c10::Error& e) {
     rethrow_aten_error(e, prefix);
   } catch (const std::exception& e) {
@@ -352,6 +340,25 @@ void Pool::work(uint64_t generation) {
   } catch (...) {
     throw Error(prefix + "unknown exception");
   }
+}
+
+// Rethrows `error` as the first of E, Es... it is, its message prefixed (subclasses must
+// come before the classes they derive from); otherwise as `rethrow_other` does.
+template <class E, class... Es>
+[[noreturn]] void rethrow_prefixed(const std::exception_ptr& error, const std::string& prefix) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const E& e) {
+    throw E(prefix + e.what());
+  } catch (...) {
+  }
+  if constexpr (sizeof...(Es) > 0) rethrow_prefixed<Es...>(error, prefix);
+  else rethrow_other(error, prefix);
+}
+
+[[noreturn]] void rethrow_with_name(const GraphTask& task) {
+  rethrow_prefixed<ShapeError, DtypeError, TraceError, CompileError, FusionError, IrError>(
+      task.error, "Function '" + task.error_fn + "': ");
 }
 
 }  // namespace

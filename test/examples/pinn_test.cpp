@@ -43,6 +43,18 @@ void descend(Params& p, const Params& g, double lr) {
   for (std::size_t i = 0; i < p.size(); ++i) p[i].sub_(g[i], lr);
 }
 
+// Runs `body(data, dtype, tol)` in float (tolerance 1e-5) and double (1e-10) on small
+// training data drawn with `data_seed` from one reference solution.
+template <class Body>
+void for_each_dtype(int data_seed, Body&& body) {
+  const ReferenceSolution ref = reference_solution(20, 33);
+  for (at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    CAPTURE(std::string(at::toString(dtype)));
+    const double tol = dtype == at::kFloat ? 1e-5 : 1e-10;
+    body(make_training_data(ref, 40, 500, data_seed).to(dtype), dtype, tol);
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("pinn") {
@@ -133,26 +145,18 @@ TEST_SUITE("pinn") {
   }
 
   TEST_CASE("compiled step equals libtorch's loss and parameter gradients (float 1e-5, double 1e-10)") {
-    const ReferenceSolution ref = reference_solution(20, 33);
-    for (at::ScalarType dtype : {at::kFloat, at::kDouble}) {
-      CAPTURE(std::string(at::toString(dtype)));
-      const double tol = dtype == at::kFloat ? 1e-5 : 1e-10;
-      const TrainingData data = make_training_data(ref, 40, 500, 1).to(dtype);
+    for_each_dtype(1, [](const TrainingData& data, at::ScalarType dtype, double tol) {
       const Params p = xavier_init(paper_layers(), 0, dtype);
       Stepper libtorch(Mode::Libtorch, data);
       for (Mode m : {Mode::Compiled, Mode::CompileLoss, Mode::Eager}) {
         Stepper s(m, data);
         check_against_libtorch(s, libtorch, p, tol);
       }
-    }
+    });
   }
 
   TEST_CASE("compiled step after cached runs and after another call pattern on the same function") {
-    const ReferenceSolution ref = reference_solution(20, 33);
-    for (at::ScalarType dtype : {at::kFloat, at::kDouble}) {
-      CAPTURE(std::string(at::toString(dtype)));
-      const double tol = dtype == at::kFloat ? 1e-5 : 1e-10;
-      const TrainingData data = make_training_data(ref, 40, 500, 2).to(dtype);
+    for_each_dtype(2, [](const TrainingData& data, at::ScalarType dtype, double tol) {
       Params p = xavier_init(paper_layers(), 3, dtype);
       Stepper compiled(Mode::Compiled, data), libtorch(Mode::Libtorch, data);
 
@@ -207,6 +211,6 @@ TEST_SUITE("pinn") {
 
       // The training step again, after the other patterns.
       check_against_libtorch(compiled, libtorch, p, tol);
-    }
+    });
   }
 }
