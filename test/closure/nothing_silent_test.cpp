@@ -359,4 +359,22 @@ with fusion_group_0 = graph(%0 : Float(3), %1 : Float(3)) {
                        "fusion_group_7: op 'mul': input 1 is undefined (group input 1)", sj::Error);
 }
 
+TEST_CASE("a grad_output on another device than its output is refused, eager and compiled, as libtorch does") {
+  const auto meta = at::TensorOptions().dtype(at::kDouble).device(at::kMeta);
+  sj::Variable x(at::randn({3}, at::kDouble), true);
+  auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list { return {in[0] * 2.0}; });
+  for (bool compiled : {false, true}) {
+    CAPTURE(compiled);
+    sj::Variable y = compiled ? f({x})[0] : x * 2.0;
+    sj::Variable go(at::ones({3}, meta));
+    CHECK_THROWS_WITH_AS(sj::grad({y}, {x}, {go}),
+                         doctest::Contains("grad_output 0 is on device meta but output 0 is on cpu"), sj::Error);
+    CHECK_THROWS_WITH_AS(y.backward(go), doctest::Contains("is on device meta"), sj::Error);
+    CHECK_FALSE(x.grad().defined());
+  }
+  // libtorch refuses the same call.
+  torch::Tensor tx = torch::randn({3}, torch::kDouble).requires_grad_(true);
+  CHECK_THROWS(torch::autograd::grad({tx * 2.0}, {tx}, {torch::ones({3}, meta)}));
+}
+
 }  // TEST_SUITE

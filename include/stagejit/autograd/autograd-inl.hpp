@@ -467,6 +467,10 @@ STAGEJIT_FUNC void make_roots(const variable_list& outputs, const variable_list&
       STAGEJIT_CHECK_AS(ShapeError, g.sizes() == out.sizes(), "grad/backward: grad_output ", i,
                         " has shape ", shape_str(g.sizes()), " but output ", i, " has shape ",
                         shape_str(out.sizes()));
+      // As libtorch's validate_outputs: a gradient lives on its output's device.
+      STAGEJIT_CHECK(g.data().device() == out.data().device(), "grad/backward: grad_output ", i,
+                     " is on device ", g.data().device(), " but output ", i, " is on ",
+                     out.data().device());
     } else {
       STAGEJIT_CHECK(out.numel() == 1, "grad can be implicitly created only for scalar outputs "
                      "(output ", i, " has shape ", shape_str(out.sizes()),
