@@ -63,6 +63,7 @@ struct GraphTask {
   int outstanding = 0;
   std::exception_ptr error;
   std::string error_fn;
+  std::string error_origin;  // the failing Function's IR node, when known
   bool create_graph = false;
   bool keep_graph = true;
   bool single_threaded = false;
@@ -237,6 +238,7 @@ void record_error(GraphTask& task, const Function& fn) {
   if (!task.error) {
     task.error = std::current_exception();
     task.error_fn = fn.name();
+    task.error_origin = fn.origin;
   }
 }
 
@@ -358,7 +360,8 @@ template <class E, class... Es>
 
 [[noreturn]] void rethrow_with_name(const GraphTask& task) {
   rethrow_prefixed<ShapeError, DtypeError, TraceError, CompileError, FusionError, IrError>(
-      task.error, "Function '" + task.error_fn + "': ");
+      task.error, "Function '" + task.error_fn + "'" +
+                      (task.error_origin.empty() ? "" : " (node " + task.error_origin + ")") + ": ");
 }
 
 }  // namespace

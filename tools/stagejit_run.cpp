@@ -27,7 +27,7 @@ at::Tensor input_for(const ir::Value* v, std::size_t stage, bool random) {
   const ir::TensorType* type = v->tensor_type();
   if (!type)
     stagejit::detail::throw_error<stagejit::Error>(
-        "stage ", stage, " input %", v->name().empty() ? std::to_string(v->id()) : v->name(),
+        "stage ", stage, " input ", ir::value_label(v),
         " has no tensor type (", ir::to_string(v->type()),
         "); --stage needs declared types such as Float(4, 3)");
   auto options = at::TensorOptions().dtype(type->dtype);
@@ -41,9 +41,7 @@ at::Tensor input_for(const ir::Value* v, std::size_t stage, bool random) {
   return t;
 }
 
-std::string value_name(const ir::Value* v) {
-  return "%" + (v->has_name() ? v->name() : std::to_string(v->id()));
-}
+std::string value_name(const ir::Value* v) { return ir::value_label(v); }
 
 /// Compiles `graph` into stage closures and runs stages 0..last, printing every input
 /// and output.

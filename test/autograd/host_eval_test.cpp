@@ -27,6 +27,23 @@ struct Mul : sj::HostFunction<Mul> {
   }
 };
 
+// The libtorch / seed convention: one gradient per forward argument, undefined for the
+// non-tensor ones (the seed's MulConstant returns {g * c, None}).
+struct ScaleShift : sj::HostFunction<ScaleShift> {
+  static sj::Variable forward(sj::HostContext* ctx, double shift, sj::Variable x, double c) {
+    ctx->saved_data["c"] = c;
+    return sj::Variable(x.data() * c + shift);
+  }
+  static VL backward(sj::HostContext* ctx, VL g) {
+    return {sj::Variable(), g[0] * std::get<double>(ctx->saved_data["c"]), sj::Variable()};
+  }
+};
+
+struct GradForScalar : sj::HostFunction<GradForScalar> {
+  static sj::Variable forward(sj::HostContext*, sj::Variable x, double c) { return sj::Variable(x.data() * c); }
+  static VL backward(sj::HostContext*, VL g) { return {g[0], g[0]}; }
+};
+
 struct TooMany : sj::HostFunction<TooMany> {
   static sj::Variable forward(sj::HostContext*, sj::Variable x) { return sj::Variable(x.data() + 1); }
   static VL backward(sj::HostContext*, VL g) { return {g[0], g[0]}; }
@@ -94,10 +111,23 @@ TEST_SUITE("autograd") {
     CHECK(g[0].grad_fn()->is<sj::Eval>());
   }
 
+  TEST_CASE("host function backward: one gradient per forward argument, scalars undefined (libtorch, seed)") {
+    at::Tensor data = at::tensor({1.0, -2.0, 0.5}, at::kDouble);
+    sj::Variable x(data, true);
+    auto g = sj::grad({sj::sum(ScaleShift::apply(0.25, x, 3.0))}, {x});
+    CHECK(oracle::max_diff(g[0].data(), at::full({3}, 3.0, at::kDouble)) == 0.0);
+    // A defined gradient for a scalar argument is an error naming the function and slot.
+    CHECK_THROWS_WITH_AS(sj::sum(GradForScalar::apply(x, 2.0)).backward(),
+                         doctest::Contains("HostFunction 'GradForScalar': backward returned a defined gradient for "
+                                           "argument 1, which is not a tensor"),
+                         sj::Error);
+  }
+
   TEST_CASE("host function errors name the function") {
     sj::Variable x(at::tensor({1.0, 2.0}, at::kDouble), true);
     CHECK_THROWS_WITH_AS(sj::sum(TooMany::apply(x)).backward(),
-                         doctest::Contains("HostFunction 'TooMany': backward returned 2 gradients, expected 1"),
+                         doctest::Contains("HostFunction 'TooMany': backward returned 2 gradients, expected 1 (one per tensor input) "
+                                           "or 1 (one per forward argument"),
                          sj::Error);
     CHECK_THROWS_WITH_AS(BadShape::apply(x).backward(),
                          doctest::Contains("HostFunction 'BadShape': backward gradient 0 has shape [], expected [2]"),

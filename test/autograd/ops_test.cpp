@@ -325,6 +325,44 @@ TEST_SUITE("autograd") {
     CHECK_FALSE(sj::testing::gradcheck([](const VL& v) { return VL{Wrong::apply(v[0])}; }, {p}));
   }
 
+  TEST_CASE("seed-era ops: threshold, select, split, cross match libtorch to the 3rd derivative") {
+    at::manual_seed(11);
+    // threshold: values on both sides, exactly at the threshold, a NaN (stays NaN).
+    at::Tensor x = rnd({3, 5});
+    x[0][0] = 0.25;
+    oracle::check("threshold", {x}, {true},
+                  [](const VL& v) { return VL{sj::threshold(v[0] * v[0], 0.25, -1.5) * v[0]}; },
+                  [](const TL& v) { return TL{torch::threshold(v[0] * v[0], 0.25, -1.5) * v[0]}; }, 3);
+    at::Tensor with_nan = rnd({4});
+    with_nan[1] = NAN;
+    oracle::check("threshold NaN", {with_nan}, {true},
+                  [](const VL& v) { return VL{sj::threshold(v[0], 0.0, 7.0)}; },
+                  [](const TL& v) { return TL{torch::threshold(v[0], 0.0, 7.0)}; }, 1);
+    oracle::check("select", {rnd({3, 4, 2})}, {true},
+                  [](const VL& v) { return VL{sj::tanh(sj::select(v[0] * v[0], 1, -2))}; },
+                  [](const TL& v) { return TL{(v[0] * v[0]).select(1, -2).tanh()}; }, 3);
+    oracle::check("select non-contiguous", {rnd({4, 3}).t()}, {true},
+                  [](const VL& v) { return VL{sj::exp(sj::select(v[0], 0, 0))}; },
+                  [](const TL& v) { return TL{v[0].select(0, 0).exp()}; }, 2);
+    oracle::check("split", {rnd({7, 3})}, {true},
+                  [](const VL& v) { return sj::split(sj::sin(v[0]), 3, 0); },
+                  [](const TL& v) { auto p = v[0].sin().split(3, 0); return TL(p.begin(), p.end()); }, 3);
+    oracle::check("split partially used", {rnd({2, 7})}, {true},
+                  [](const VL& v) { auto p = sj::split(sj::exp(v[0]), 2, 1); return VL{p[0] * p[3]}; },
+                  [](const TL& v) { auto p = v[0].exp().split(2, 1); return TL{p[0] * p[3]}; }, 2);
+    oracle::check("split with sizes", {rnd({6, 2})}, {true},
+                  [](const VL& v) { auto p = sj::split(v[0] * v[0], std::vector<int64_t>{1, 4, 1}, 0); return VL{p[1], p[2] * p[0]}; },
+                  [](const TL& v) { auto p = (v[0] * v[0]).split_with_sizes({1, 4, 1}, 0); return TL{p[1], p[2] * p[0]}; }, 2);
+    oracle::check("cross dim", {rnd({4, 3}), rnd({4, 3})}, {true, true},
+                  [](const VL& v) { return VL{sj::cross(v[0] * v[1], v[1], 1)}; },
+                  [](const TL& v) { return TL{torch::cross(v[0] * v[1], v[1], 1)}; }, 3);
+    oracle::check("cross default dim, broadcast", {rnd({3, 5}), rnd({3, 1})}, {true, true},
+                  [](const VL& v) { return VL{sj::cross(sj::tanh(v[0]), v[1])}; },
+                  [](const TL& v) { return TL{torch::cross(v[0].tanh(), v[1].expand({3, 5}))}; }, 2);
+    CHECK_THROWS_WITH_AS(sj::cross(sj::Variable(rnd({2, 2})), sj::Variable(rnd({2, 2}))),
+                         doctest::Contains("no dimension of size 3"), sj::Error);
+  }
+
   TEST_CASE("every table op has a documented entry and a lookup by name") {
     for (const sj::OpDef* d : sj::ops::all()) {
       CAPTURE(d->name);

@@ -130,6 +130,26 @@ TEST_SUITE("closure") {
     for (int k = 0; k <= 2; ++k) check_compiled(sj_fn, torch_fn, data, {true, true}, k);
   }
 
+  TEST_CASE("host function returning one gradient per forward argument (scalars undefined), compiled") {
+    struct MulConstantArgs : sj::HostFunction<MulConstantArgs> {
+      static sj::Variable forward(sj::HostContext* ctx, sj::Variable x, double c) {
+        ctx->saved_data["c"] = c;
+        return sj::Variable(x.data() * c);
+      }
+      static sj::variable_list backward(sj::HostContext* ctx, sj::variable_list g) {
+        return {g[0] * std::get<double>(ctx->saved_data.at("c")), sj::Variable()};
+      }
+    };
+    auto sj_fn = [](const sj::variable_list& in) -> sj::variable_list {
+      return {Mul::apply(MulConstantArgs::apply(in[1], 2.0), in[0])};
+    };
+    auto torch_fn = [](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
+      return {(in[1] * 2.0) * in[0]};
+    };
+    std::vector<at::Tensor> data = {at::tensor({1.5, -2.0}, at::kDouble), at::tensor({0.5, 3.0}, at::kDouble)};
+    for (int k = 0; k <= 2; ++k) check_compiled(sj_fn, torch_fn, data, {true, true}, k);
+  }
+
   TEST_CASE("bug log: x^5 at 1 with 2 derivatives gives 5 and 20; with 1, the second throws") {
     auto f2 = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
       return {sj::pow(in[0], 5.0)};

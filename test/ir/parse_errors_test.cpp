@@ -23,8 +23,9 @@ const std::vector<Bad>& cases() {
       {"graph(%.x : Float(2)) {", 1, 7, "invalid value name %.x"},
       {"graph(%x : Float(2, device=gpu)) {", 1, 28, "invalid device 'gpu'"},
       {"graph(%x : Float(2)) {\n  %0 : Float(2) = neg(%y);\n  return (%0);\n}\n", 2, 23, "undefined value %y"},
-      {"graph(%x : Float(2)) {\n  %0 : Float(2) = neg(%x)\n  return (%0);\n}\n", 3, 3,
-       "expected ';' at the end of the node, found 'return'"},
+      // Since 2018 a node may end without ';': what follows must start the next statement.
+      {"graph(%x : Float(2)) {\n  %0 : Float(2) = neg(%x) %1\n  return (%0);\n}\n", 3, 3,
+       "expected ':' after the output name, found 'return'"},
       {"graph(%x : Float(2)) {\n  %x : Float(2) = neg(%x);\n  return (%x);\n}\n", 2, 3, "value %x is already defined"},
       {"graph(%x : Float(2)) {\n  %0 : Float(2) = neg(%x);\n}\n", 3, 1, "expected an op name, found '}'"},
       {"graph(%x : Float(2)) {\n  %0 : Float(2) = neg(%x);\n", 3, 1, "expected a node or 'return', found end of input"},

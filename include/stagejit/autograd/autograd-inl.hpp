@@ -566,7 +566,7 @@ STAGEJIT_FUNC std::shared_ptr<Function> finish_host_call(
       edges.push_back(in.gradient_edge());
       metas.push_back(InputMeta{at::DimVector(in.sizes()), in.options()});
     }
-    fn = make_function(HostBackward{name, ctx, std::move(backward), std::move(metas), traceable},
+    fn = make_function(HostBackward{name, ctx, std::move(backward), std::move(metas), traceable, calling_convention},
                        std::move(edges), static_cast<uint32_t>(outputs.size()));
     for (std::size_t i = 0; i < outputs.size(); ++i) {
       if (outputs[i].defined() && at::isFloatingType(outputs[i].scalar_type()))
@@ -584,6 +584,29 @@ STAGEJIT_FUNC std::shared_ptr<Function> finish_host_call(
 
 namespace detail::autograd_impl {
 
+// A host backward's gradients, one per tensor input. It may return one per tensor input,
+// or one per forward argument (libtorch's Function<T>, the seed's MulConstant:
+// `{g * c, Variable()}`), whose non-tensor slots must be undefined.
+STAGEJIT_FUNC variable_list per_tensor_input(const HostBackward& hb, variable_list results) {
+  const std::string& conv = hb.calling_convention;
+  if (results.size() == hb.input_meta.size()) return results;
+  STAGEJIT_CHECK(results.size() == conv.size(), "HostFunction '", hb.name, "': backward returned ",
+                 results.size(), " gradients, expected ", hb.input_meta.size(),
+                 " (one per tensor input) or ", conv.size(),
+                 " (one per forward argument, undefined for the non-tensor ones)");
+  variable_list tensors;
+  tensors.reserve(hb.input_meta.size());
+  for (std::size_t k = 0; k < conv.size(); ++k) {
+    if (conv[k] == 't') {
+      tensors.push_back(std::move(results[k]));
+      continue;
+    }
+    STAGEJIT_CHECK(!results[k].defined(), "HostFunction '", hb.name, "': backward returned a defined gradient for argument ",
+                   k, ", which is not a tensor (a scalar argument has no gradient: return an undefined Variable there)");
+  }
+  return tensors;
+}
+
 STAGEJIT_FUNC variable_list apply_host_backward(Function& self, HostBackward& hb, variable_list& grads) {
   TraceHook* hook = hb.traceable ? nullptr : current_trace_hook();
   variable_list grads_in = grads;
@@ -591,9 +614,7 @@ STAGEJIT_FUNC variable_list apply_host_backward(Function& self, HostBackward& hb
   {
     TraceHookGuard suspend(hb.traceable ? current_trace_hook() : nullptr);
     results = hb.backward(hb.ctx.get(), grads);
-    STAGEJIT_CHECK(results.size() == hb.input_meta.size(), "HostFunction '", hb.name,
-                   "': backward returned ", results.size(), " gradients, expected ",
-                   hb.input_meta.size(), " (one per tensor input)");
+    results = per_tensor_input(hb, std::move(results));
     // As libtorch's validate_outputs: the shape and device must be the input's, another
     // dtype is cast to the input's (inside the suspended hook: part of the opaque backward).
     for (std::size_t i = 0; i < results.size(); ++i) {

@@ -44,6 +44,10 @@ struct HostBackward {
   std::function<variable_list(HostContext*, variable_list)> backward;
   std::vector<InputMeta> input_meta;  ///< one per tensor input
   bool traceable = false;  ///< its ops are traced one by one (not an opaque unit)
+  /// One letter per forward argument, `t` tensor or `s` scalar: `backward` may return one
+  /// gradient per tensor input or, as libtorch's `Function<T>` and the seed do, one per
+  /// forward argument with the scalar slots undefined.
+  std::string calling_convention;
 };
 /// Throws `stagejit::Error(message)` when applied (e.g. "compiled only for 1 derivatives").
 struct ErrorFunction { std::string message; };
@@ -121,6 +125,10 @@ struct Function : std::enable_shared_from_this<Function> {
   std::vector<Edge> next_functions;
   uint32_t num_inputs = 0;
   uint64_t sequence_nr;
+  /// Where it comes from, for messages: the IR node it runs, as `--print` shows it, with
+  /// the line and column it was read from (set by the closure compiler for graphs read
+  /// from text; empty otherwise). The engine names it when the Function throws.
+  std::string origin;
 
   Function(FunctionKind k, std::vector<Edge> next, uint32_t inputs)
       : kind(std::move(k)), next_functions(std::move(next)), num_inputs(inputs),

@@ -436,7 +436,7 @@ class StageCall final : public ClosureImpl {
     const at::Tensor& t = env_values_[slot].data();
     ::stagejit::detail::throw_error<Error>(
         "compiled stage ", stage_, ": one of the variables needed for gradient computation has been "
-        "modified by an inplace operation: %", v->has_name() ? v->name() : std::to_string(v->id()),
+        "modified by an inplace operation: ", ir::value_label(v),
         " (", v->node()->is<ir::Param>() ? "an input" : "a value", " of stage ", v->stage(), ", a ",
         t.scalar_type(), " tensor of shape ", t.sizes(), "), saved for this stage, is at version ",
         now, "; expected version ", saved, " instead (it was modified in place after it was saved)");

@@ -15,6 +15,7 @@
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/ir/graph.hpp>
+#include <stagejit/ir/printer.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -52,7 +53,7 @@ class CrossStagePlan {
     auto note_use = [&](ir::Value* v, std::size_t user_stage, const char* what) {
       std::size_t def = v->stage();
       STAGEJIT_CHECK_AS(CompileError, def <= user_stage, what, " of stage ", user_stage,
-                        " uses %", v->id(), " of the later stage ", def);
+                        " uses ", ir::value_label(v), " of the later stage ", def);
       if (def == user_stage) return;
       std::size_t slot = slot_for(v);
       add_once(uses_from_earlier_[user_stage], in_uses[user_stage], slot);
@@ -60,7 +61,7 @@ class CrossStagePlan {
       for (std::size_t s = def; s < user_stage; ++s) add_once(needed_after_[s], in_need[s], slot);
     };
     for (ir::Node* n : graph.nodes()) {
-      STAGEJIT_CHECK_AS(CompileError, n->stage() < S, "node ", n->describe(), " has stage ",
+      STAGEJIT_CHECK_AS(CompileError, n->stage() < S, "node ", ir::node_label(n), " has stage ",
                         n->stage(), " but the graph has ", S, " stages");
       stage_nodes_[n->stage()].push_back(n);
       for (ir::Value* in : n->inputs()) note_use(in, n->stage(), "node");

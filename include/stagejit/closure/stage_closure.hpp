@@ -27,6 +27,7 @@
 #include <stagejit/fusion/codegen.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
+#include <stagejit/ir/printer.hpp>
 #include <stagejit/ops/node_semantics.hpp>
 #include <stagejit/ops/op_def.hpp>
 #include <stagejit/trace/host_op_payload.hpp>
@@ -34,6 +35,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -98,6 +100,7 @@ struct StageClosure {
     for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
       ir::Node* n = *it;
       auto fn = keep(function_for(n, factory));
+      if (n->location().known()) fn->origin = label(n);
       fill_next(*fn, n);
       fn_of_[n->id()] = fn;
     }
@@ -132,6 +135,27 @@ struct StageClosure {
   }
 
  private:
+  // A node for messages as `--print` shows it (ir::node_label), the graph's names and
+  // fusion group indices computed once per closure.
+  std::string label(const ir::Node* n) {
+    if (!names_) names_.emplace(*n->owning_graph());
+    return ir::node_label(n, *names_, n->is<ir::FusionGroup>() ? fusion_index(n) : -1);
+  }
+  // The printer's index of fusion group `n` (`fusion_group_N`).
+  int64_t fusion_index(const ir::Node* n) {
+    if (fusion_index_of_.empty()) {
+      int64_t next = 0;
+      for (const ir::Node* m : n->owning_graph()->nodes()) {
+        if (!m->is<ir::FusionGroup>()) continue;
+        if (fusion_index_of_.size() <= m->id()) fusion_index_of_.resize(m->id() + 1, -1);
+        fusion_index_of_[m->id()] = next++;
+      }
+    }
+    return n->id() < fusion_index_of_.size() ? fusion_index_of_[n->id()] : -1;
+  }
+  std::optional<ir::detail::NameTable> names_;
+  std::vector<int64_t> fusion_index_of_;
+
   std::shared_ptr<Function> keep(std::shared_ptr<Function> f) {
     functions.push_back(f);
     return f;
@@ -156,7 +180,7 @@ struct StageClosure {
                            {}, n_in);
     };
     auto not_a_node = [&](std::string_view what) -> std::shared_ptr<Function> {
-      detail::throw_error<CompileError>("closure: ", what, " ", n->describe(),
+      detail::throw_error<CompileError>("closure: ", what, " ", label(n),
                                         " cannot be compiled into a closure");
     };
     return std::visit(
@@ -164,8 +188,8 @@ struct StageClosure {
             [&](const ir::Constant& kind) { return triggered(make_function(WrapConstant{kind.value}, {}, 1)); },
             [&](const ir::Undefined&) { return make_function(EmitNull{}, {}, 0); },
             [&](const ir::Op& kind) {
-              STAGEJIT_CHECK_AS(CompileError, kind.id() != OpId::unknown, "closure: node ", n->describe(),
-                                " calls the unknown op '", kind.name(), "'");
+              STAGEJIT_CHECK_AS(CompileError, kind.id() != OpId::unknown, "closure: node ", label(n),
+                                " calls the unknown op '", kind.name(), "' (not in the op table, ops/op_schema.hpp)");
               auto fn = make_function(OpCall{&ops::def(kind.id()), detail::to_core_attributes(kind.attributes)}, {},
                                       n_in == 0 ? 1 : n_in);
               return n_in == 0 ? triggered(std::move(fn)) : fn;
@@ -173,9 +197,9 @@ struct StageClosure {
             [&](const ir::HostOp& kind) { return host_call(n, kind); },
             [&](const ir::Eval&) { return eval_placeholder(n); },
             [&](const ir::FusionGroup& kind) {
-              STAGEJIT_CHECK_AS(CompileError, kind.subgraph, "closure: FusionGroup ", n->describe(),
+              STAGEJIT_CHECK_AS(CompileError, kind.subgraph, "closure: ", label(n),
                                 " has no subgraph");
-              std::string name = "fusion_group_" + std::to_string(n->id());
+              std::string name = "fusion_group_" + std::to_string(fusion_index(n));
               auto group = std::make_shared<const fusion::FusedGroup>(kind.subgraph, name);
               return make_function(FusedKernel{name, [group](const variable_list& in) -> variable_list {
                                                   std::vector<at::Tensor> tensors;
@@ -211,7 +235,7 @@ struct StageClosure {
   // backward exists exactly when it did), and captures that backward as the node's Handle.
   std::shared_ptr<Function> host_call(ir::Node* n, const ir::HostOp& kind) {
     auto payload = std::static_pointer_cast<HostOpPayload>(kind.payload);
-    STAGEJIT_CHECK_AS(CompileError, payload && payload->call, "closure: HostOp ", n->describe(),
+    STAGEJIT_CHECK_AS(CompileError, payload && payload->call, "closure: HostOp ", label(n),
                       " has no callable (graphs parsed from text cannot run host functions)");
     auto call = [payload](const variable_list& in) -> variable_list {
       AutoGradMode grad_on(true);

@@ -50,11 +50,13 @@ inline std::string_view attribute_kind(const AttributeValue& v) {
 
 /// Converts a core `Scalar` (tracer/op arguments) into an attribute: `double` -> f,
 /// `int64_t` -> i, `bool` -> i (0 or 1), string -> s, int list -> is, double list -> fs.
+/// Throws IrError for `NoneScalar`, which no attribute kind holds.
 inline AttributeValue to_attribute(const Scalar& s) {
   return std::visit(
       [](const auto& v) -> AttributeValue {
         using T = std::decay_t<decltype(v)>;
         if constexpr (std::is_same_v<T, bool>) return int64_t(v ? 1 : 0);
+        else if constexpr (std::is_same_v<T, NoneScalar>) throw IrError("None has no attribute form (SPEC 1.5 kinds)");
         else return v;
       },
       s);
@@ -145,6 +147,7 @@ inline std::string format_attribute(const AttributeValue& v) {
 /// `bool` as `true`/`false`.
 inline std::string format_scalar(const Scalar& s) {
   if (auto b = std::get_if<bool>(&s)) return *b ? "true" : "false";
+  if (std::holds_alternative<NoneScalar>(s)) return "None";
   return format_attribute(to_attribute(s));
 }
 

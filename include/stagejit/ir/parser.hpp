@@ -3,20 +3,49 @@
 /// `ir::parse`: reads the canonical text form (printer.hpp) and the seed-era form of
 /// docs/seed-system.md §1.7 back into a Graph.
 ///
-/// Seed-era extras accepted:
+/// Seed-era (2017) extras accepted:
 /// - a `, uses = [...]` suffix after a node's inputs: `[%5.i0, %0.i1]` for a single
 ///   output, `[[...], [...]]` with one list per output. It is checked against the real
 ///   uses: the same number, and each `%N.iK` matches a distinct use at input `K` of the
-///   node whose single output is `%N` (or of the return statement for `%0` when no value
-///   is called `%0`; or of a multi-output node when `%N` names no value, because the seed
-///   hides the ids of multi-output nodes).
+///   node whose single output is `%N`; of the return statement for `%0` when no value is
+///   called `%0`; or, `%N` naming no value, of the node it is the hidden id of. The seed
+///   numbered a node before its outputs and printed host ops, CppOps and fusion groups
+///   through Select nodes, so `%N` is the node whose first output is `%N+1`, or else a
+///   multi-output node.
 /// - `^Name(scalars)(inputs)` without a calling convention: tensors first, then scalars.
-/// - `CppOp[Name](inputs)`: an `Eval` when Name is an Eval name (`Eval`,
-///   `N5torch8autograd4EvalE`, ...), else a HostOp with convention `t` per input.
+///   Scalars as Python printed them: `True`, `False`, `None` (`NoneScalar`), tuples
+///   `(3, 2)` and `(3,)` (int lists), bare words `mean` (strings).
+/// - `CppOp[Name](inputs)` where Name is the C++ type as printed, spaces and `::`
+///   included (`struct torch::autograd::Neg`, `N5torch8autograd3AddE`): an `Eval` for an
+///   Eval class, a table op for an alias (below) when no Handle output is declared, else
+///   a HostOp with convention `t` per input under the printed name.
+/// - attribute values: unquoted words (strings: `note=from_pyop`) and tensor dumps
+///   (`a= 1  1  1  1 [ CPUDoubleTensor{2,2} ]`: a tensor when its values fill its sizes,
+///   else the dump's text as a string).
+/// - `Transpose(%x)` without `perm`: reverse the axes (ONNX's default).
 /// - `return (...)` without `|`: each output goes to the group of its producer's stage.
 /// - `UNKNOWN_TYPE`, `fusion_group_N` with its `with fusion_group_N = graph(...)` block,
 ///   header inputs without commas, value names like `%3.1`.
-/// Value names that start with a digit are not kept (the printer renumbers them).
+/// 2018 extras: kinds with `aten::`, `prim::`, `onnx::` (`prim::Constant`,
+/// `prim::FusionGroup_0[device=0]` and its `with` block, `FusionGroup_0`); nodes and the
+/// return statement without `;`; `, scope: A/B[c]` suffixes (not kept); scalar tensor
+/// attributes `{1}` (numbers; a Constant's value becomes a 0-dim tensor); the types
+/// `Dynamic`, `Tensor` and `Float(*, *)` (`UNKNOWN_TYPE`). Control flow (`prim::If`,
+/// `prim::Loop`, `block0()`) and non-tensor types (`int`, `float[]`, ...) are refused
+/// with a ParseError naming them.
+///
+/// Note [Op aliases]: the op names of those eras are read as the table's ops, so they run
+/// and fuse like their ATen twins and print canonically: `Add`/`Sub`/`Mul`/`Div`
+/// (ONNX's `broadcast` dropped; a legacy `axis` broadcast is refused), `Neg`, `Tanh`,
+/// `Sigmoid`, `Exp`, `Log`, `Relu`, `Sqrt`, `Abs`, `Reciprocal`, `MatMul`,
+/// `Chunk[chunks, axis|dim]`, `Split[split, axis]` (-> `split[split_size, dim]`),
+/// `Concat[axis]`/`Cat` (-> `cat[dim]`); the seed's Python autograd functions printed
+/// `^Add()(..)`, `^MulConstant(c)`, `^AddConstant(c, inplace)`, `^Transpose(d0, d1)`,
+/// `^View((sizes))` when they declare no Handle output. `Transpose` and `Gemm` are node
+/// kinds of their own; `cross`, `threshold`, `select`, `split` are table ops.
+///
+/// Value names that start with a digit are not kept (the printer renumbers them; messages
+/// use the printer's names, see `ir::value_label`).
 /// Any malformed text throws `ParseError` (1-based line:column, and what was expected).
 /// A tensor literal's sizes, value count and device are checked before it is allocated
 /// (sizes that overflow, a device this machine cannot hold: a ParseError at the literal).
@@ -78,6 +107,7 @@ class Parser {
   struct Literal {
     AttributeValue value;
     bool is_bool = false;
+    bool is_none = false;  // Python's `None` (host op scalars only)
   };
 
   [[noreturn]] void fail(const Token& t, const std::string& msg) { lex_.fail(t, msg); }
@@ -131,16 +161,44 @@ class Parser {
     Token t = lex_.next();
     if (t.kind != TokenKind::Ident) fail(t, "expected a type (e.g. Float(2, 3), Handle), found " + t.describe());
     if (t.text == "Handle") return HandleType{};
-    if (t.text == "UNKNOWN_TYPE") return UnknownType{};
+    // 2018: `Dynamic` and `Tensor` are tensors of unknown dtype and sizes.
+    if (t.text == "UNKNOWN_TYPE" || t.text == "Dynamic" || t.text == "Tensor") return UnknownType{};
     auto dtype = dtype_from_name(t.text);
-    if (!dtype) fail(t, "unknown type '" + t.text + "'; expected a dtype such as Float, Handle or UNKNOWN_TYPE");
+    if (!dtype) {
+      if (is_non_tensor_type(t.text))
+        fail(t, "non-tensor type '" + t.text + "' is not supported: stagejit graphs hold tensors and handles only");
+      fail(t, "unknown type '" + t.text + "'; expected a dtype such as Float, Handle, UNKNOWN_TYPE or Dynamic");
+    }
+    // 2018: `Float(*, *)`, a tensor of unknown sizes (its dtype is not kept).
+    if (lex_.peek().is('(')) {
+      lex_.next();
+      if (lex_.peek().is('*')) {
+        for (;;) {
+          Token star = lex_.next();
+          if (!star.is('*')) fail(star, "expected '*' in unknown sizes, found " + star.describe());
+          Token sep = lex_.next();
+          if (sep.is(')')) return UnknownType{};
+          if (!sep.is(',')) fail(sep, "expected ',' or ')' in the sizes, found " + sep.describe());
+        }
+      }
+      pending_open_ = true;
+    }
     auto [sizes, marks, device] = parse_dims();
     return TensorType{*dtype, DimList(sizes), ir::parse_strides(sizes, marks), device};
   }
 
+  // The 2018 printer's scalar and list types (`int`, `float[]`, `Tensor[]`, ...).
+  static bool is_non_tensor_type(std::string_view n) {
+    for (std::string_view k : {"int", "float", "bool", "string", "str", "None", "NoneType", "Generator", "Device",
+                               "Layout", "ScalarType", "Scalar", "Number", "Tuple", "List", "Optional", "Future"})
+      if (n == k) return true;
+    return false;
+  }
+
   // `(3, 4!, device=cuda:0)`
   std::tuple<std::vector<int64_t>, std::vector<bool>, at::Device> parse_dims() {
-    expect_punct('(', "to open the sizes");
+    if (pending_open_) pending_open_ = false;  // parse_type read the '(' already
+    else expect_punct('(', "to open the sizes");
     std::vector<int64_t> sizes;
     std::vector<bool> marks;
     at::Device device = at::kCPU;
@@ -187,23 +245,36 @@ class Parser {
     }
     if (t.kind == TokenKind::String) return {AttributeValue(t.text)};
     if (t.is('<')) fail(t, "elided values such as <Tensor> or <Graph> cannot be parsed");
-    if (t.is('[')) {
+    // 2018: a scalar tensor attribute printed `{1}` or `{0.5}`: its number.
+    if (t.is('{')) {
+      Token v = lex_.next();
+      if (v.kind != TokenKind::Number) fail(v, "expected a number in a scalar tensor {...}, found " + v.describe());
+      Literal lit = number_literal(v);
+      expect_punct('}', "to close the scalar tensor");
+      return lit;
+    }
+    // `[...]` lists; Python tuples `(3, 2)` and `(3,)` (seed-era host op scalars).
+    if (t.is('[') || t.is('(')) {
+      const char close = t.is('[') ? ']' : ')';
       if (in_list) fail(t, "nested lists are not supported");
       std::vector<Literal> items;
       std::vector<Token> at;
-      if (!accept(']')) {
+      if (!accept(close)) {
         for (;;) {
           at.push_back(lex_.peek());
           items.push_back(parse_literal(true));
           Token sep = lex_.next();
-          if (sep.is(']')) break;
-          if (!sep.is(',')) fail(sep, "expected ',' or ']' in a list, found " + sep.describe());
+          if (sep.is(close)) break;
+          if (!sep.is(',')) fail(sep, "expected ',' or '" + std::string(1, close) + "' in a list, found " + sep.describe());
+          if (close == ')' && accept(')')) break;  // `(3,)`
         }
       }
       return {make_list(items, at, t)};
     }
     if (t.kind == TokenKind::Ident) {
       if (t.text == "true" || t.text == "false") return {AttributeValue(int64_t(t.text == "true")), true};
+      if (t.text == "True" || t.text == "False") return {AttributeValue(int64_t(t.text == "True")), true};
+      if (t.text == "None") return {AttributeValue(int64_t(0)), false, true};
       if (t.text == "inf") return {AttributeValue(double(INFINITY))};
       if (t.text == "nan") return {AttributeValue(double(NAN))};
       for (std::string_view k : {"fs", "is", "ss", "ts", "gs"}) {
@@ -216,9 +287,63 @@ class Parser {
         if (k == "ts") return {AttributeValue(std::vector<at::Tensor>{})};
         return {AttributeValue(std::vector<std::shared_ptr<Graph>>{})};
       }
-      if (auto dtype = dtype_from_name(t.text)) return {AttributeValue(parse_tensor(t, *dtype))};
+      if (auto dtype = dtype_from_name(t.text); dtype && lex_.peek().is('('))
+        return {AttributeValue(parse_tensor(t, *dtype))};
+      // Seed era: unquoted strings (`note=from_pyop`, a host op's `(mean)`).
+      return {AttributeValue(t.text)};
     }
     fail(t, "expected a value (number, string, list or tensor literal), found " + t.describe());
+  }
+
+  Literal number_literal(const Token& t) {
+    int64_t i;
+    if (parse_number(t.text, i)) return {AttributeValue(i)};
+    double d;
+    if (parse_number(t.text, d)) return {AttributeValue(d)};
+    fail(t, "number " + t.text + " is out of range");
+  }
+
+  // A seed-era tensor dump (`1  1  1  1 [ CPUDoubleTensor{2,2} ]`, lexer.hpp) as a
+  // tensor when its values fill its sizes; else its text, kept as a string.
+  AttributeValue dump_value(const std::string& dump) {
+    size_t open = dump.rfind('[');
+    std::string_view body(dump.data(), open);
+    std::string_view tail = std::string_view(dump).substr(open + 1);
+    size_t lb = tail.find('{'), rb = tail.find('}');
+    std::string_view type_name = tail.substr(0, lb);
+    while (!type_name.empty() && type_name.front() == ' ') type_name.remove_prefix(1);
+    for (std::string_view prefix : {"CPU", "CUDA", "torch.cuda.", "torch."})
+      if (type_name.substr(0, prefix.size()) == prefix) type_name.remove_prefix(prefix.size());
+    type_name.remove_suffix(6);  // "Tensor"
+    std::optional<at::ScalarType> dtype = dtype_from_name(type_name);
+    std::vector<int64_t> sizes;
+    bool ok = dtype.has_value() && lb != std::string_view::npos && rb != std::string_view::npos;
+    std::string_view dims = ok ? tail.substr(lb + 1, rb - lb - 1) : std::string_view();
+    while (ok && !dims.empty()) {
+      size_t comma = dims.find(',');
+      int64_t v = 0;
+      std::string item(dims.substr(0, comma));
+      ok = parse_number(item, v) && v >= 0 && v <= (int64_t(1) << 24);
+      sizes.push_back(v);
+      dims = comma == std::string_view::npos ? std::string_view() : dims.substr(comma + 1);
+    }
+    std::vector<std::string> values;
+    for (size_t i = 0; ok && i < body.size();) {
+      while (i < body.size() && std::isspace(static_cast<unsigned char>(body[i]))) ++i;
+      size_t j = i;
+      while (j < body.size() && !std::isspace(static_cast<unsigned char>(body[j]))) ++j;
+      if (j > i) values.emplace_back(body.substr(i, j - i));
+      i = j;
+    }
+    int64_t n = 1;
+    for (int64_t s : sizes) n *= s;
+    if (ok && int64_t(values.size()) == n) {
+      at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(*dtype));
+      bool filled = true;
+      for (int64_t i = 0; i < n && filled; ++i) filled = set_element(t, i, values[i]);
+      if (filled) return t;
+    }
+    return dump;  // a layout this reader does not know: the text, printed back quoted
   }
 
   AttributeValue make_list(const std::vector<Literal>& items, const std::vector<Token>& at, const Token& open) {
@@ -339,6 +464,13 @@ class Parser {
       for (size_t i = 0; i < attrs.size(); ++i) {
         if (attrs[i].first != member) continue;
         auto v = attribute_as<M>(attrs[i].second);
+        if constexpr (std::is_same_v<M, at::Tensor>) {
+          // 2018: `prim::Constant[value={1}]`, a scalar tensor.
+          if (!v) {
+            if (auto d = std::get_if<double>(&attrs[i].second)) v = at::scalar_tensor(*d, at::kDouble);
+            else if (auto n = std::get_if<int64_t>(&attrs[i].second)) v = at::scalar_tensor(*n, at::kLong);
+          }
+        }
         if (!v)
           fail(attr_tokens[i], "attribute '" + member + "' of " + op.text + " must be of kind " +
                                    std::string(attribute_kind(AttributeValue(M{}))) + ", found " +
@@ -347,10 +479,15 @@ class Parser {
         used[i] = true;
         return;
       }
+      if constexpr (std::is_same_v<K, Transpose>) return;  // no perm: reverse the axes (ONNX)
       fail(op, op.text + " needs attribute '" + member + "'");
     });
-    for (size_t i = 0; i < attrs.size(); ++i)
+    for (size_t i = 0; i < attrs.size(); ++i) {
+      // ONNX's opt-in broadcasting flag on a seed-era Gemm: ATen always broadcasts C.
+      if constexpr (std::is_same_v<K, Gemm>)
+        if (attrs[i].first == "broadcast") continue;
       if (!used[i]) fail(attr_tokens[i], op.text + " has no attribute '" + attrs[i].first + "'");
+    }
     return k;
   }
 
@@ -374,11 +511,174 @@ class Parser {
     return n == "Eval" || n == "N5torch8autograd4EvalE" || n == "torch_autograd_Eval";
   }
 
-  // The op and inputs of one statement; returns the node (unlisted).
-  Node* parse_op(Graph& g, Scope& scope) {
+  // The class name inside a CppOp's C++ type: `N5torch8autograd3AddE` (Itanium-mangled),
+  // `struct torch::autograd::Neg` (MSVC's printout), `torch_autograd_Eval`, `ConvForward`.
+  static std::string cpp_class_name(std::string_view n) {
+    if (n.size() > 2 && n.front() == 'N' && n.back() == 'E') {
+      std::string_view rest = n.substr(1, n.size() - 2), last;
+      while (!rest.empty() && std::isdigit(static_cast<unsigned char>(rest.front()))) {
+        size_t len = 0, k = 0;
+        while (k < rest.size() && std::isdigit(static_cast<unsigned char>(rest[k]))) len = len * 10 + size_t(rest[k++] - '0');
+        if (len == 0 || k + len > rest.size()) return std::string(n);
+        last = rest.substr(k, len);
+        rest.remove_prefix(k + len);
+      }
+      if (rest.empty() && !last.empty()) return std::string(last);
+      return std::string(n);
+    }
+    size_t colons = n.rfind("::");
+    if (colons != std::string_view::npos) return std::string(n.substr(colons + 2));
+    for (std::string_view kw : {"struct ", "class "})
+      if (n.substr(0, kw.size()) == kw) return std::string(n.substr(kw.size()));
+    return std::string(n);
+  }
+
+  // `fusion_group_N`, and the 2018 spellings `FusionGroup_N`, `prim::FusionGroup_N`:
+  // the canonical name, or nothing.
+  static std::optional<std::string> fusion_ref(std::string_view name) {
+    for (std::string_view prefix : {"fusion_group_", "FusionGroup_", "prim::FusionGroup_"}) {
+      if (name.size() > prefix.size() && name.substr(0, prefix.size()) == prefix &&
+          name.find_first_not_of("0123456789", prefix.size()) == std::string_view::npos)
+        return "fusion_group_" + std::string(name.substr(prefix.size()));
+    }
+    return std::nullopt;
+  }
+
+  // The kind a 2018 name (`aten::mul`, `prim::Constant`, `onnx::Add`) stands for
+  // without its namespace; other namespaces are kept (an unknown op).
+  static std::string_view strip_namespace(std::string_view name) {
+    for (std::string_view ns : {"aten::", "prim::", "onnx::"})
+      if (name.substr(0, ns.size()) == ns) return name.substr(ns.size());
+    return name;
+  }
+
+  // Seed-era and ONNX op names onto the op table, attributes renamed (Note [Op aliases]
+  // in the file comment). Returns nothing for a name that is not an alias.
+  std::optional<Op> alias_op(const Token& t, std::string_view name, AttributeList attrs,
+                             const std::vector<Token>& attr_tokens) {
+    struct Alias {
+      std::string_view from;
+      OpId to;
+    };
+    static constexpr Alias aliases[] = {
+        {"Add", OpId::add},         {"Sub", OpId::sub},     {"Mul", OpId::mul},   {"Div", OpId::div},
+        {"Neg", OpId::neg},         {"Tanh", OpId::tanh},   {"Sigmoid", OpId::sigmoid},
+        {"Exp", OpId::exp},         {"Log", OpId::log},     {"Relu", OpId::relu}, {"Chunk", OpId::chunk},
+        {"Split", OpId::split},     {"Concat", OpId::cat},  {"Sqrt", OpId::sqrt}, {"Abs", OpId::abs},
+        {"Reciprocal", OpId::reciprocal}, {"MatMul", OpId::matmul}, {"Cat", OpId::cat},
+    };
+    const Alias* found = nullptr;
+    for (const Alias& a : aliases)
+      if (a.from == name) found = &a;
+    if (!found) return std::nullopt;
+    AttributeList out;
+    for (size_t i = 0; i < attrs.size(); ++i) {
+      auto& [key, value] = attrs[i];
+      if (key == "broadcast") continue;  // ONNX's opt-in flag: ATen always broadcasts
+      if (key == "axis") {
+        if (found->to == OpId::add || found->to == OpId::sub || found->to == OpId::mul || found->to == OpId::div)
+          fail(attr_tokens[i], name_text(t) + ": legacy ONNX broadcasting from an 'axis' is not supported "
+                                            "(ATen broadcasting aligns trailing dimensions)");
+        out.emplace_back("dim", std::move(value));
+        continue;
+      }
+      if (key == "split" && found->to == OpId::split) {
+        out.emplace_back("split_size", std::move(value));
+        continue;
+      }
+      out.emplace_back(std::move(key), std::move(value));
+    }
+    // ATen's argument order: chunk(chunks, dim), split(split_size, dim).
+    std::stable_sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+      auto rank = [](const std::string& k) { return k == "dim" ? 1 : 0; };
+      return rank(a.first) < rank(b.first);
+    });
+    return Op(found->to, std::move(out));
+  }
+
+  static std::string name_text(const Token& t) { return t.text; }
+
+  // The seed era's Python autograd functions (torch.autograd._functions, 2017) printed
+  // as `^Name(scalars)(inputs)`, onto the op table: the tensor-tensor arithmetic and
+  // pointwise ones, `AddConstant(c[, inplace])` and its kin, `Transpose(d0, d1)`,
+  // `View(sizes)`. Nothing for another name or other arguments.
+  static std::optional<Op> host_alias(std::string_view name, const std::vector<Scalar>& scalars, size_t num_inputs) {
+    struct Pointwise {
+      std::string_view from;
+      OpId to;
+      size_t inputs;
+    };
+    static constexpr Pointwise pointwise[] = {
+        {"Add", OpId::add, 2},  {"Sub", OpId::sub, 2},         {"Mul", OpId::mul, 2}, {"Div", OpId::div, 2},
+        {"Neg", OpId::neg, 1},  {"Tanh", OpId::tanh, 1},       {"Sigmoid", OpId::sigmoid, 1},
+        {"Exp", OpId::exp, 1},  {"Log", OpId::log, 1},
+    };
+    for (const Pointwise& p : pointwise)
+      if (p.from == name && scalars.empty() && num_inputs == p.inputs) return Op(p.to);
+    auto number = [](const Scalar& s) -> std::optional<AttributeValue> {
+      if (auto d = std::get_if<double>(&s)) return AttributeValue(*d);
+      if (auto i = std::get_if<int64_t>(&s)) return AttributeValue(*i);
+      return std::nullopt;
+    };
+    // `inplace` (a trailing bool) changes where the result goes, not its value.
+    const bool inplace_flag = scalars.size() == 2 && std::holds_alternative<bool>(scalars[1]);
+    struct Constant {
+      std::string_view from;
+      OpId to;
+    };
+    static constexpr Constant constants[] = {
+        {"AddConstant", OpId::add}, {"SubConstant", OpId::sub}, {"MulConstant", OpId::mul}, {"DivConstant", OpId::div}};
+    for (const Constant& c : constants) {
+      if (c.from != name || num_inputs != 1 || scalars.empty() || (scalars.size() > 1 && !inplace_flag)) continue;
+      if (auto v = number(scalars[0])) return Op(c.to, {{"other", *v}});
+    }
+    if (name == "Transpose" && num_inputs == 1 && scalars.size() == 2 && std::holds_alternative<int64_t>(scalars[0]) &&
+        std::holds_alternative<int64_t>(scalars[1]))
+      return Op(OpId::transpose, {{"dim0", std::get<int64_t>(scalars[0])}, {"dim1", std::get<int64_t>(scalars[1])}});
+    if (name == "View" && num_inputs == 1 && scalars.size() == 1 && std::holds_alternative<std::vector<int64_t>>(scalars[0]))
+      return Op(OpId::view, {{"size", std::get<std::vector<int64_t>>(scalars[0])}});
+    return std::nullopt;
+  }
+
+  // Control flow of the 2018 printer (`prim::If` with `block0()`, `prim::Loop`).
+  void refuse_control_flow(const Token& t, std::string_view bare) {
+    if (bare == "If" || bare == "Loop")
+      fail(t, "control flow ('" + t.text + "' with blocks) is not supported: stagejit graphs are straight-line");
+  }
+
+  // `[name=value, ...]` after an op name (nothing when no `[` follows); the name tokens
+  // go to `attr_tokens` for messages.
+  AttributeList parse_attrs(std::vector<Token>& attr_tokens) {
+    AttributeList attrs;
+    if (!accept('[')) return attrs;
+    if (accept(']')) return attrs;
+    for (;;) {
+      Token name = expect_ident("an attribute name");
+      for (auto& [k, v] : attrs)
+        if (k == name.text) fail(name, "attribute '" + name.text + "' is given twice");
+      expect_punct('=', "after the attribute name");
+      attr_tokens.push_back(name);
+      if (auto dump = lex_.tensor_dump()) {  // seed era: `a= 1  1 [ CPUDoubleTensor{2} ]`
+        attrs.emplace_back(name.text, dump_value(*dump));
+      } else {
+        Literal lit = parse_literal();
+        if (lit.is_none) fail(name, "attribute '" + name.text + "' is None: no attribute kind holds None");
+        attrs.emplace_back(name.text, std::move(lit.value));
+      }
+      Token sep = lex_.next();
+      if (sep.is(']')) return attrs;
+      if (!sep.is(',')) fail(sep, "expected ',' or ']' after an attribute, found " + sep.describe());
+    }
+  }
+
+  // The op and inputs of one statement; returns the node (unlisted). `handle_output`:
+  // the statement declares a Handle output (a seed-era CppOp with its backward).
+  Node* parse_op(Graph& g, Scope& scope, bool handle_output) {
     Token t = lex_.next();
     if (t.is('^')) {
-      Token name = expect_ident("a host op name after '^'");
+      Token name = lex_.next();  // an identifier, or a quoted name (printer.hpp, op_name_text)
+      if (name.kind != TokenKind::Ident && name.kind != TokenKind::String)
+        fail(name, "expected a host op name after '^', found " + name.describe());
       std::optional<std::string> conv;
       Token conv_tok;
       if (accept('[')) {
@@ -404,49 +704,60 @@ class Parser {
         }
       }
       auto inputs = parse_input_list(scope);
-      if (!conv) conv = std::string(inputs.size(), 't') + std::string(scalars.size(), 's');
+      if (!conv) {
+        // Seed era (no calling convention): the autograd functions of torch of that time
+        // without a Handle output are ops of the table.
+        if (!handle_output)
+          if (auto op = host_alias(name.text, scalars, inputs.size())) return g.create(std::move(*op), inputs, {});
+        conv = std::string(inputs.size(), 't') + std::string(scalars.size(), 's');
+      }
       return g.create(HostOp{name.text, *conv, std::move(scalars), nullptr}, inputs, {});
+    }
+    if (t.kind == TokenKind::String) {  // a quoted op name (printer.hpp, op_name_text)
+      std::vector<Token> attr_tokens;
+      AttributeList attrs = parse_attrs(attr_tokens);
+      auto inputs = parse_input_list(scope);
+      return g.create(Op{t.text, std::move(attrs)}, inputs, {});
     }
     if (t.kind != TokenKind::Ident) fail(t, "expected an op name, found " + t.describe());
     if (t.text == "CppOp") {
       expect_punct('[', "after CppOp");
-      Token name = expect_ident("the CppOp's name");
+      // The C++ type name as printed: may hold spaces and `::` (`struct torch::autograd::Neg`).
+      auto [line, col] = lex_.position();
+      std::string name = lex_.raw_until("]", true, "the CppOp's name");
+      if (name.empty()) lex_.fail(line, col, "expected the CppOp's name inside [...]");
       expect_punct(']', "after the CppOp's name");
       auto inputs = parse_input_list(scope);
-      if (is_eval_name(name.text)) return g.create(Eval{}, inputs, {});
-      return g.create(HostOp{name.text, std::string(inputs.size(), 't'), {}, nullptr}, inputs, {});
+      std::string cls = cpp_class_name(name);
+      if (is_eval_name(name) || is_eval_name(cls)) return g.create(Eval{}, inputs, {});
+      if (!handle_output)
+        if (auto op = alias_op(t, cls, {}, {})) return g.create(std::move(*op), inputs, {});
+      return g.create(HostOp{name, std::string(inputs.size(), 't'), {}, nullptr}, inputs, {});
     }
-    constexpr std::string_view fg = "fusion_group_";
-    if (t.text.size() > fg.size() && t.text.compare(0, fg.size(), fg) == 0 &&
-        t.text.find_first_not_of("0123456789", fg.size()) == std::string::npos) {
-      if (scope.fusion_refs.count(t.text)) fail(t, t.text + " is used by more than one node");
+    if (auto ref = fusion_ref(t.text)) {
+      if (scope.fusion_refs.count(*ref)) fail(t, t.text + " is used by more than one node");
+      // 2018: `prim::FusionGroup_0[device=0]`; the device is the inputs' (not kept).
+      if (accept('[')) {
+        Token key = expect_ident("'device'");
+        if (key.text != "device") fail(key, "a fusion group takes only the attribute 'device', found '" + key.text + "'");
+        expect_punct('=', "after 'device'");
+        parse_int(lex_.next(), "a device index");
+        expect_punct(']', "after the fusion group's device");
+      }
       auto inputs = parse_input_list(scope);
       Node* n = g.create(FusionGroup{nullptr}, inputs, {});
-      scope.fusion_refs[t.text] = n;
+      scope.fusion_refs[*ref] = n;
       return n;
     }
+    const std::string_view bare = strip_namespace(t.text);
+    refuse_control_flow(t, bare);
     std::vector<Token> attr_tokens;
-    auto parse_attrs_tracked = [&] {
-      AttributeList attrs;
-      if (!accept('[')) return attrs;
-      if (accept(']')) return attrs;
-      for (;;) {
-        Token name = expect_ident("an attribute name");
-        for (auto& [k, v] : attrs)
-          if (k == name.text) fail(name, "attribute '" + name.text + "' is given twice");
-        expect_punct('=', "after the attribute name");
-        attr_tokens.push_back(name);
-        attrs.emplace_back(name.text, parse_literal().value);
-        Token sep = lex_.next();
-        if (sep.is(']')) return attrs;
-        if (!sep.is(',')) fail(sep, "expected ',' or ']' after an attribute, found " + sep.describe());
-      }
-    };
+    auto parse_attrs_tracked = [&] { return parse_attrs(attr_tokens); };
     std::optional<NodeKind> kind;
     boost::hana::for_each(kind_names, [&](auto pair) {
       using K = typename decltype(+boost::hana::first(pair))::type;
       if constexpr (!std::is_same_v<K, Op> && !std::is_same_v<K, HostOp> && !std::is_same_v<K, FusionGroup>) {
-        if (kind || boost::hana::second(pair) != t.text) return;
+        if (kind || boost::hana::second(pair) != bare) return;
         if constexpr (std::is_same_v<K, Param> || std::is_same_v<K, Return>) {
           fail(t, t.text + " nodes cannot appear in a graph body (declare inputs in graph(...), outputs in return)");
         } else if constexpr (is_attribute_kind<K>) {
@@ -458,13 +769,18 @@ class Parser {
         }
       }
     });
-    if (!kind) kind = Op{t.text, parse_attrs_tracked()};
+    if (!kind) {
+      AttributeList attrs = parse_attrs_tracked();
+      if (auto op = alias_op(t, bare, attrs, attr_tokens)) kind = std::move(*op);
+      else kind = Op{bare, std::move(attrs)};
+    }
     auto inputs = parse_input_list(scope);
     return g.create(std::move(*kind), inputs, {});
   }
 
   Scalar to_scalar(const Literal& lit, const Token& at) {
     if (lit.is_bool) return std::get<int64_t>(lit.value) != 0;
+    if (lit.is_none) return NoneScalar{};
     return std::visit(
         [&](const auto& v) -> Scalar {
           using T = std::decay_t<decltype(v)>;
@@ -484,6 +800,25 @@ class Parser {
     if (std::isdigit(static_cast<unsigned char>(t.text[0]))) return;
     if (!valid_value_name(t.text)) fail(t, "invalid value name %" + t.text + "; expected %[A-Za-z_][A-Za-z0-9_.]* or a number");
     v->set_name(t.text);
+  }
+
+  // What may follow a node's inputs: `, uses = [...]` (seed era), `, scope: A/B` (2018,
+  // not kept), then `;` (optional since 2018). A `block0()` here is control flow.
+  void parse_node_suffix(Scope& scope, Node* n, const Token& start) {
+    while (accept(',')) {
+      const Token& kw = lex_.peek();
+      if (kw.is_ident("scope")) {
+        lex_.next();
+        expect_punct(':', "after 'scope'");
+        lex_.raw_until(";", false, "the scope");
+        continue;
+      }
+      parse_uses(scope, n, start);
+    }
+    const Token& end = lex_.peek();
+    if (end.kind == TokenKind::Ident && end.text.rfind("block", 0) == 0)
+      fail(end, "control flow blocks ('" + end.text + "') are not supported: stagejit graphs are straight-line");
+    accept(';');
   }
 
   // `, uses = [...]` (seed era), after the node's inputs.
@@ -551,14 +886,25 @@ class Parser {
           } else if (r.user == "0") {
             user = g.return_node();
           } else {
+            // A hidden id: the seed numbered a node before its outputs and printed them
+            // through Select nodes, so `%N` is the node whose first output is `%N+1`
+            // (or a multi-output node whose id the file does not show otherwise).
             hidden = true;
+            int64_t id = -1;
+            if (parse_number(r.user, id) && id >= 0) {
+              auto next = scope.values.find(std::to_string(id + 1));
+              if (next != scope.values.end() && next->second->node()->outputs()[0] == next->second)
+                user = next->second->node();
+            }
           }
           bool ok = false;
-          for (size_t k = 0; k < v->uses().size() && !ok; ++k) {
-            const Use& u = v->uses()[k];
-            if (matched[k] || u.offset != r.offset) continue;
-            if (hidden ? (u.user->outputs().size() != 1 && !u.user->is<Return>()) : u.user == user)
-              ok = matched[k] = true;
+          for (int pass = user ? 0 : 1; pass < (hidden ? 2 : 1) && !ok; ++pass) {
+            for (size_t k = 0; k < v->uses().size() && !ok; ++k) {
+              const Use& u = v->uses()[k];
+              if (matched[k] || u.offset != r.offset) continue;
+              bool match = pass == 0 ? u.user == user : (u.user->outputs().size() != 1 && !u.user->is<Return>());
+              if (match) ok = matched[k] = true;
+            }
           }
           if (!ok) fail(r.token, "use %" + r.token.text + " does not match any use of this value");
         }
@@ -625,12 +971,13 @@ class Parser {
           if (!sep.is(',')) fail(sep, "expected ',' or '=' after an output, found " + sep.describe());
         }
       }
-      Node* n = parse_op(*g, scope);
+      bool handle_output = false;
+      for (auto& [name, type] : outs) handle_output = handle_output || std::holds_alternative<HandleType>(type);
+      Node* n = parse_op(*g, scope, handle_output);
       n->set_location({start.line, start.column});
       g->append(n);
       for (auto& [name, type] : outs) define(scope, name, n->add_output(type));
-      if (accept(',')) parse_uses(scope, n, start);
-      expect_punct(';', "at the end of the node");
+      parse_node_suffix(scope, n, start);
     }
     Token ret = lex_.next();
     g->return_node()->set_location({ret.line, ret.column});
@@ -681,7 +1028,7 @@ class Parser {
         g->register_output(v, v->stage());
       }
     }
-    expect_punct(';', "after the return statement");
+    accept(';');  // optional since 2018
     expect_punct('}', "to close the graph body");
     check_uses(*g, scope);
     while (!scope.fusion_refs.empty()) {
@@ -689,7 +1036,8 @@ class Parser {
       if (!w.is_ident("with"))
         fail(w, "expected 'with " + scope.fusion_refs.begin()->first + " = graph(...)', found " + w.describe());
       Token name = expect_ident("a fusion group name");
-      auto it = scope.fusion_refs.find(name.text);
+      auto ref = fusion_ref(name.text);
+      auto it = ref ? scope.fusion_refs.find(*ref) : scope.fusion_refs.end();
       if (it == scope.fusion_refs.end()) fail(name, "no node uses " + name.text);
       expect_punct('=', "after the fusion group name");
       it->second->get<FusionGroup>().subgraph = parse_graph(depth + 1);
@@ -699,6 +1047,7 @@ class Parser {
   }
 
   Lexer lex_;
+  bool pending_open_ = false;  // parse_type consumed the '(' of the sizes
 };
 
 }  // namespace detail

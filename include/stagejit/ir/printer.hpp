@@ -26,6 +26,7 @@
 /// - Value names: see detail/names.hpp. Literals: see attributes.hpp and detail/literals.hpp.
 
 #include <stagejit/core/detail/bodies_begin.hpp>
+#include <cctype>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -42,13 +43,28 @@ std::string to_string(const Graph& graph);
 
 namespace detail {
 
+// An op or host op name as text: bare when the lexer reads it back as one identifier
+// (`mul`, `aten::mul`, `MulConstant`), else quoted (`"struct torch::autograd::Neg"`, a
+// C++ type name of the seed era's Windows printouts).
+inline std::string op_name_text(std::string_view name) {
+  auto start = [](char c) { return std::isalpha(static_cast<unsigned char>(c)) || c == '_'; };
+  auto part = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+  bool plain = !name.empty() && start(name[0]);
+  for (size_t i = 0; plain && i < name.size(); ++i) {
+    if (part(name[i])) continue;
+    plain = name[i] == ':' && i + 2 < name.size() && name[i + 1] == ':' && start(name[i + 2]);
+    ++i;
+  }
+  return plain ? std::string(name) : quote(std::string(name));
+}
+
 inline std::string kind_text(const Node& n, size_t& fusion_index,
                              std::vector<const Graph*>& subgraphs) {
   auto bare = [](const auto& k) -> std::string { return std::string(kind_name<std::decay_t<decltype(k)>>()); };
   return std::visit(
       Overloaded{
           [&](const Op& k) -> std::string {
-            std::string out(k.name());
+            std::string out = op_name_text(k.name());
             if (!k.attributes.empty()) {
               out += '[';
               for (size_t i = 0; i < k.attributes.size(); ++i)
@@ -58,7 +74,7 @@ inline std::string kind_text(const Node& n, size_t& fusion_index,
             return out;
           },
           [&](const HostOp& k) -> std::string {
-            std::string out = "^" + k.name + "[" + k.calling_convention + "](";
+            std::string out = "^" + op_name_text(k.name) + "[" + k.calling_convention + "](";
             for (size_t i = 0; i < k.scalars.size(); ++i) out += (i ? ", " : "") + format_scalar(k.scalars[i]);
             return out + ")";
           },
@@ -66,7 +82,12 @@ inline std::string kind_text(const Node& n, size_t& fusion_index,
             subgraphs.push_back(k.subgraph.get());
             return std::string(kind_name<FusionGroup>()) + "_" + std::to_string(fusion_index++);
           },
-          // Constant, Transpose, Reshape, Gemm: `Name[field=value, ...]`.
+          // No perm: reverse the axes, printed as in the seed era.
+          [&](const Transpose& k) -> std::string {
+            if (k.perm.empty()) return std::string(kind_name<Transpose>());
+            return "Transpose[perm=" + format_attribute(AttributeValue(k.perm)) + "]";
+          },
+          // Constant, Reshape, Gemm: `Name[field=value, ...]`.
           [&]<class K>(const K& k) -> std::string requires is_attribute_kind<K> {
             std::string out = std::string(kind_name<K>()) + "[";
             bool first = true;
@@ -142,6 +163,49 @@ inline std::string to_string(const Graph& graph) {
 }
 
 inline std::ostream& operator<<(std::ostream& os, const Graph& graph) { return os << to_string(graph); }
+
+/// How `v` prints in its graph (`%x`, `%3`), for messages: the name the printer (and so
+/// `stagejit-run --print`) gives it. Linear in the graph's size; meant for error paths.
+inline std::string value_label(const Value* v) {
+  if (v->has_name()) return "%" + v->name();
+  const Graph* g = v->node()->owning_graph();
+  return g ? detail::NameTable(*g)(v) : "%#" + std::to_string(v->id());
+}
+
+/// The printer's index of fusion group `n` among its graph's fusion groups
+/// (`fusion_group_N`), or -1 when `n` is not a listed fusion group.
+inline int64_t fusion_group_index(const Node* n) {
+  if (!n->is<FusionGroup>() || !n->owning_graph()) return -1;
+  int64_t index = 0;
+  for (const Node* m : n->owning_graph()->nodes()) {
+    if (m == n) return index;
+    index += m->is<FusionGroup>();
+  }
+  return -1;
+}
+
+/// A node for messages, as `--print` shows it: `%3 = mul`, `%4, %5 = chunk`,
+/// `fusion_group_0`, then ` (line 4, column 3)` when it was read from text. Linear in the
+/// graph's size; meant for error paths.
+/// The same with the graph's names and the node's fusion group index already known (a
+/// caller labelling many nodes builds the NameTable once).
+inline std::string node_label(const Node* n, const detail::NameTable& names, int64_t fusion_index) {
+  std::string out;
+  if (n->is<Return>()) {
+    out = "return";
+  } else {
+    for (size_t i = 0; i < n->outputs().size(); ++i) out += (i ? ", " : "") + names(n->output(i));
+    if (!n->outputs().empty()) out += " = ";
+    out += fusion_index >= 0 ? "fusion_group_" + std::to_string(fusion_index) : n->describe();
+  }
+  if (n->location().known())
+    out += " (line " + std::to_string(n->location().line) + ", column " + std::to_string(n->location().column) + ")";
+  return out;
+}
+inline std::string node_label(const Node* n) {
+  if (!n->owning_graph()) return n->describe();
+  return node_label(n, detail::NameTable(*n->owning_graph()), fusion_group_index(n));
+}
 
 }  // namespace stagejit::ir
 #include <stagejit/core/detail/bodies_end.hpp>

@@ -34,8 +34,16 @@
 
 namespace stagejit::semantics {
 
-/// `Transpose`: the input's dimensions permuted (a view).
-inline at::Tensor transpose(const ir::Transpose& k, const at::Tensor& x) { return x.permute(k.perm); }
+/// `Transpose`: the input's dimensions permuted (a view); an empty `perm` reverses them
+/// (ONNX's default, the seed era's `Transpose(%x)`).
+inline at::Tensor transpose(const ir::Transpose& k, const at::Tensor& x) {
+  if (k.perm.empty() && x.dim() > 0) {
+    std::vector<int64_t> reversed(static_cast<size_t>(x.dim()));
+    for (int64_t d = 0; d < x.dim(); ++d) reversed[static_cast<size_t>(d)] = x.dim() - 1 - d;
+    return x.permute(reversed);
+  }
+  return x.permute(k.perm);
+}
 /// `Reshape`: the input reshaped (a view where ATen can).
 inline at::Tensor reshape(const ir::Reshape& k, const at::Tensor& x) { return x.reshape(k.shape); }
 /// `Gemm` on (A, B, C): `beta * C + alpha * (A @ B)`.

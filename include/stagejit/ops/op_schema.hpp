@@ -82,7 +82,11 @@ namespace stagejit {
   X(log_softmax) \
   X(nll_loss) \
   X(nll_loss_backward) \
-  X(mse_loss)
+  X(mse_loss) \
+  X(threshold) \
+  X(select) \
+  X(split) \
+  X(cross)
 
 /// One op of the table (ATen's name). `unknown`: an interned name the table lacks.
 enum class OpId : uint16_t {
@@ -181,6 +185,10 @@ inline constexpr std::array<OpSchema, num_ops> op_schemas{{
     {.id = OpId::nll_loss, .name = "nll_loss", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b11, .attributes = "reduction (default 1 = mean; 0 none, 2 sum), ignore_index (default -100); inputs: self, target (int64)", .backward_name = "NllLossBackward"},
     {.id = OpId::nll_loss_backward, .name = "nll_loss_backward", .min_inputs = 3, .max_inputs = 3, .saved_inputs = 0b110, .attributes = "reduction, ignore_index (as nll_loss); inputs: grad_output, self, target", .backward_name = "NllLossBackwardBackward"},
     {.id = OpId::mse_loss, .name = "mse_loss", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b11, .attributes = "reduction (default 1 = mean; 0 none, 2 sum)", .backward_name = "MseLossBackward"},
+    {.id = OpId::threshold, .name = "threshold", .elementwise = true, .saved_inputs = 0b1, .attributes = "threshold, value: self <= threshold ? value : self", .fusion_template = "($0 <= $threshold ? $value : $0)", .backward_name = "ThresholdBackward"},
+    {.id = OpId::select, .name = "select", .attributes = "dim, index", .backward_name = "SelectBackward"},
+    {.id = OpId::split, .name = "split", .attributes = "split_size (int: equal pieces, the last smaller; int list: split_with_sizes), dim (default 0); one output per piece", .backward_name = "SplitBackward"},
+    {.id = OpId::cross, .name = "cross", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b11, .attributes = "dim (optional: the first dimension of size 3)", .backward_name = "CrossBackward"},
 }};
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop

@@ -109,6 +109,54 @@ STAGEJIT_FUNC std::vector<int64_t> meta_sizes(const BackwardArgs& a, std::size_t
 
 Variable zeros_of(std::vector<int64_t> size, const at::TensorOptions& o);
 
+// Backward of a slice of length `len` at `start` along `dim` (narrow, select): `g` padded
+// with zeros to the input's sizes.
+STAGEJIT_FUNC Variable pad_slice(const BackwardArgs& a, const Variable& g, int64_t dim, int64_t start, int64_t len) {
+  auto sizes = meta_sizes(a, 0);
+  variable_list parts;
+  if (start > 0) {
+    auto s = sizes;
+    s[dim] = start;
+    parts.push_back(zeros_of(s, a.input_meta[0].options));
+  }
+  parts.push_back(g);
+  if (sizes[dim] - start - len > 0) {
+    auto s = sizes;
+    s[dim] = sizes[dim] - start - len;
+    parts.push_back(zeros_of(s, a.input_meta[0].options));
+  }
+  return parts.size() == 1 ? g : cat(parts, dim);
+}
+
+// Backward of a split into pieces along `dim` (chunk, split): the pieces' gradients
+// concatenated, zeros for pieces without one. Pieces have length `step` (the last
+// smaller) or, when `lengths` is given, those lengths.
+STAGEJIT_FUNC Variable cat_pieces(const BackwardArgs& a, int64_t dim, int64_t step,
+                                  const std::vector<int64_t>& lengths = {}) {
+  auto sizes = meta_sizes(a, 0);
+  variable_list parts;
+  for (std::size_t i = 0; i < a.grads.size(); ++i) {
+    if (a.grads[i].defined()) {
+      parts.push_back(a.grads[i]);
+    } else {
+      auto s = sizes;
+      s[dim] = lengths.empty() ? std::min(step, sizes[dim] - static_cast<int64_t>(i) * step) : lengths.at(i);
+      parts.push_back(zeros_of(s, a.input_meta[0].options));
+    }
+  }
+  return cat(parts, dim);
+}
+
+// The dimension `cross` works on: `dim` (wrapped to the broadcast rank), else the first
+// of size 3 of the first input (ATen's deprecated default, _default_cross_dim).
+STAGEJIT_FUNC int64_t cross_dim(const Attributes& a, at::IntArrayRef x, at::IntArrayRef y) {
+  const int64_t rank = static_cast<int64_t>(std::max(x.size(), y.size()));
+  if (find_attr(a, "dim")) return at::maybe_wrap_dim(attr_int(a, "dim"), rank);
+  for (std::size_t d = 0; d < x.size(); ++d)
+    if (x[d] == 3) return static_cast<int64_t>(d);
+  throw ShapeError(detail::str_cat("cross: no dimension of size 3 in the first input's sizes ", x, " and no dim given"));
+}
+
 // ------------------------------------------------------------------ forwards
 STAGEJIT_FUNC Tensors one(at::Tensor t) { return {std::move(t)}; }
 
@@ -464,19 +512,31 @@ STAGEJIT_FUNC std::array<OpDef, num_ops> build_table() {
        [](const BackwardArgs& a) -> variable_list {
          auto sizes = meta_sizes(a, 0);
          int64_t dim = at::maybe_wrap_dim(attr_int(a.attrs, "dim", 0), static_cast<int64_t>(sizes.size()));
-         variable_list parts;
          int64_t chunks = attr_int(a.attrs, "chunks");
-         int64_t step = (sizes[dim] + chunks - 1) / chunks;
-         for (std::size_t i = 0; i < a.grads.size(); ++i) {
-           if (a.grads[i].defined()) {
-             parts.push_back(a.grads[i]);
-           } else {
-             auto s = sizes;
-             s[dim] = std::min(step, sizes[dim] - static_cast<int64_t>(i) * step);
-             parts.push_back(zeros_of(s, a.input_meta[0].options));
-           }
-         }
-         return {cat(parts, dim)};
+         return {cat_pieces(a, dim, (sizes[dim] + chunks - 1) / chunks)};
+       });
+  def(OpId::split, [](const Tensors& in, const Attributes& a) {
+         const Scalar& s = need_attr(a, "split_size");
+         if (std::holds_alternative<std::vector<int64_t>>(s))
+           return at::split_with_sizes(in[0], std::get<std::vector<int64_t>>(s), attr_int(a, "dim", 0));
+         return at::split(in[0], attr_int(a, "split_size"), attr_int(a, "dim", 0));
+       },
+       [](const BackwardArgs& a) -> variable_list {
+         auto sizes = meta_sizes(a, 0);
+         int64_t dim = at::maybe_wrap_dim(attr_int(a.attrs, "dim", 0), static_cast<int64_t>(sizes.size()));
+         const Scalar& s = need_attr(a.attrs, "split_size");
+         if (auto* list = std::get_if<std::vector<int64_t>>(&s)) return {cat_pieces(a, dim, 0, *list)};
+         return {cat_pieces(a, dim, attr_int(a.attrs, "split_size"))};
+       });
+  def(OpId::select, [](const Tensors& in, const Attributes& a) {
+         return one(in[0].select(attr_int(a, "dim"), attr_int(a, "index")));
+       },
+       [](const BackwardArgs& a) -> variable_list {
+         auto sizes = meta_sizes(a, 0);
+         int64_t dim = at::maybe_wrap_dim(attr_int(a.attrs, "dim"), static_cast<int64_t>(sizes.size()));
+         int64_t index = attr_int(a.attrs, "index");
+         if (index < 0) index += sizes[dim];
+         return {pad_slice(a, unsqueeze(G(a), dim), dim, index, 1)};
        });
   def(OpId::cat, [](const Tensors& in, const Attributes& a) { return one(at::cat(in, attr_int(a, "dim", 0))); },
        [](const BackwardArgs& a) -> variable_list {
@@ -501,20 +561,23 @@ STAGEJIT_FUNC std::array<OpDef, num_ops> build_table() {
          int64_t dim = at::maybe_wrap_dim(attr_int(a.attrs, "dim"), static_cast<int64_t>(sizes.size()));
          int64_t start = attr_int(a.attrs, "start");
          if (start < 0) start += sizes[dim];
-         int64_t len = attr_int(a.attrs, "length");
-         variable_list parts;
-         if (start > 0) {
-           auto s = sizes;
-           s[dim] = start;
-           parts.push_back(zeros_of(s, a.input_meta[0].options));
-         }
-         parts.push_back(G(a));
-         if (sizes[dim] - start - len > 0) {
-           auto s = sizes;
-           s[dim] = sizes[dim] - start - len;
-           parts.push_back(zeros_of(s, a.input_meta[0].options));
-         }
-         return {parts.size() == 1 ? G(a) : cat(parts, dim)};
+         return {pad_slice(a, G(a), dim, start, attr_int(a.attrs, "length"))};
+       });
+  def(OpId::threshold, [](const Tensors& in, const Attributes& a) {
+         return one(at::threshold(in[0], attr_scalar(a, "threshold"), attr_scalar(a, "value")));
+       },
+       [](const BackwardArgs& a) -> variable_list {
+         return {masked_fill(G(a), le(In(a, 0), attr_double(a.attrs, "threshold", 0)), 0.0)};
+       });
+  def(OpId::cross, [](const Tensors& in, const Attributes& a) {
+         return one(at::cross(in[0], in[1], cross_dim(a, in[0].sizes(), in[1].sizes())));
+       },
+       [](const BackwardArgs& a) -> variable_list {
+         int64_t dim = cross_dim(a.attrs, a.input_meta[0].sizes, a.input_meta[1].sizes);
+         variable_list r(2);
+         if (a.needs(0)) r[0] = sum_to_size(cross(In(a, 1), G(a), dim), meta_sizes(a, 0));
+         if (a.needs(1)) r[1] = sum_to_size(cross(G(a), In(a, 0), dim), meta_sizes(a, 1));
+         return r;
        });
 
   // ---- softmax and losses
@@ -811,6 +874,27 @@ STAGEJIT_FUNC Variable cat(const variable_list& tensors, int64_t dim) { SJ_OP(ca
 STAGEJIT_FUNC Variable narrow(const Variable& a, int64_t dim, int64_t start, int64_t length) {
   SJ_OP(narrow);
   return run1(d, {a}, {{"dim", dim}, {"start", start}, {"length", length}});
+}
+STAGEJIT_FUNC variable_list split(const Variable& a, int64_t split_size, int64_t dim) {
+  SJ_OP(split);
+  return ops::apply(d, {a}, {{"split_size", split_size}, {"dim", dim}});
+}
+STAGEJIT_FUNC variable_list split(const Variable& a, std::vector<int64_t> split_sizes, int64_t dim) {
+  SJ_OP(split);
+  return ops::apply(d, {a}, {{"split_size", std::move(split_sizes)}, {"dim", dim}});
+}
+STAGEJIT_FUNC Variable select(const Variable& a, int64_t dim, int64_t index) {
+  SJ_OP(select);
+  return run1(d, {a}, {{"dim", dim}, {"index", index}});
+}
+STAGEJIT_FUNC Variable threshold(const Variable& a, double threshold, double value) {
+  SJ_OP(threshold);
+  return run1(d, {a}, {{"threshold", threshold}, {"value", value}});
+}
+STAGEJIT_FUNC Variable cross(const Variable& a, const Variable& b, std::optional<int64_t> dim) {
+  SJ_OP(cross);
+  if (!dim) return run1(d, {a, b});
+  return run1(d, {a, b}, {{"dim", *dim}});
 }
 STAGEJIT_FUNC Variable softmax(const Variable& a, int64_t dim) { SJ_OP(softmax); return run1(d, {a}, {{"dim", dim}}); }
 STAGEJIT_FUNC Variable log_softmax(const Variable& a, int64_t dim) { SJ_OP(log_softmax); return run1(d, {a}, {{"dim", dim}}); }

@@ -97,6 +97,17 @@ variable_list chunk(const Variable& a, int64_t chunks, int64_t dim = 0);
 /// Concatenates along `dim` (ATen `cat`).
 Variable cat(const variable_list& tensors, int64_t dim = 0);
 Variable narrow(const Variable& a, int64_t dim, int64_t start, int64_t length);
+/// Splits into pieces of `split_size` along `dim`, the last smaller (ATen `split`).
+variable_list split(const Variable& a, int64_t split_size, int64_t dim = 0);
+/// Splits into pieces of the given sizes along `dim` (ATen `split_with_sizes`).
+variable_list split(const Variable& a, std::vector<int64_t> split_sizes, int64_t dim = 0);
+/// The slice at `index` of `dim`, that dimension removed (ATen `select`; a view).
+Variable select(const Variable& a, int64_t dim, int64_t index);
+/// `a <= threshold ? value : a` elementwise (ATen `threshold`; NaN stays NaN).
+Variable threshold(const Variable& a, double threshold, double value);
+/// Cross product of 3-vectors along `dim`, or along the first dimension of size 3 when
+/// `dim` is not given (ATen `cross`; broadcasts).
+Variable cross(const Variable& a, const Variable& b, std::optional<int64_t> dim = std::nullopt);
 Variable softmax(const Variable& a, int64_t dim);
 Variable log_softmax(const Variable& a, int64_t dim);
 /// Negative log likelihood, mean reduction, `target` int64 class indices (ATen `nll_loss`).

@@ -131,6 +131,7 @@ class ZeroPass {
       case OpId::expand: case OpId::reshape: case OpId::view: case OpId::t:
       case OpId::transpose: case OpId::unsqueeze: case OpId::squeeze: case OpId::sum_to_size:
       case OpId::narrow: case OpId::chunk: case OpId::to: case OpId::zeros_like:
+      case OpId::select: case OpId::split: case OpId::cross:
         return zero_outputs(n);
       case OpId::div:
       case OpId::nll_loss_backward:

@@ -121,6 +121,8 @@ inline std::string op_expression(const ir::Node& node, const std::vector<std::st
   if (!op) throw FusionError("fusion: node #" + std::to_string(node.id()) + " (" + node.describe() + ") is not an op");
   const OpSchema& schema = op->schema();
   const std::string name(op->name());
+  if (op->id() == OpId::unknown)
+    throw FusionError("fusion: unknown op '" + name + "' (not in the op table, ops/op_schema.hpp)");
   if (!schema.elementwise)
     throw FusionError("fusion: op '" + name + "' is not elementwise and cannot be fused");
   std::vector<std::string> a = operands;
@@ -212,6 +214,13 @@ inline std::string op_expression(const ir::Node& node, const std::vector<std::st
       if (!v) throw FusionError("fusion: op 'masked_fill' needs attribute 'value'");
       result_bool = operand_bool[0];
       return "V::blendv(" + a[0] + ", " + literal(*v) + ", " + a[1] + " != " + literal(0) + ")";
+    }
+    case OpId::threshold: {
+      need(1);
+      auto thr = number_attribute(*op, "threshold"), v = number_attribute(*op, "value");
+      if (!thr || !v) throw FusionError("fusion: op 'threshold' needs attributes 'threshold' and 'value'");
+      // ATen's kernel: x <= threshold ? value : x (a NaN compares false and stays).
+      return "V::blendv(" + a[0] + ", " + literal(*v) + ", " + a[0] + " <= " + literal(*thr) + ")";
     }
     case OpId::to:
       throw FusionError("fusion: op 'to' (a dtype cast) is not fused");

@@ -2,13 +2,18 @@
 /// \file
 /// Tokens of the IR text form, read lazily with one token of lookahead so that the
 /// first error in the text is the one reported. `#` starts a comment to the end of
-/// the line.
+/// the line. Identifiers may carry `::` namespaces (`aten::mul`, `prim::FusionGroup_0`,
+/// the 2018 printer's kinds). The parser reads a few seed-era constructs that are not
+/// token sequences (a CppOp's C++ type name, a `scope:` path, a tensor dump) with the raw
+/// readers below, which work only while no token is peeked.
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <cctype>
 #include <cstddef>
 #include <string>
+#include <optional>
 #include <string_view>
+#include <utility>
 
 #include <stagejit/core/error.hpp>
 
@@ -51,6 +56,67 @@ class Lexer {
     has_peeked_ = false;
     return peeked_;
   }
+  /// Whether a token has been peeked (the raw readers need none).
+  bool has_peeked() const { return has_peeked_; }
+  /// Line and column of the next unread character (after any peeked token).
+  std::pair<size_t, size_t> position() const { return {line_, col_}; }
+
+  /// Raw text up to (not including) the first character of `stops` on the same line,
+  /// trimmed; fails at end of line or input when `must_stop` is set.
+  std::string raw_until(std::string_view stops, bool must_stop, std::string_view what) {
+    if (has_peeked_) fail(peeked_, "internal: raw read after a peeked token");
+    size_t line = line_, col = col_;
+    std::string out;
+    while (pos_ < text_.size() && cur() != '\n' && stops.find(cur()) == std::string_view::npos) out += cur(), advance();
+    if (must_stop && (pos_ >= text_.size() || cur() == '\n'))
+      fail(line, col, "expected " + std::string(what) + " to end with '" + std::string(stops.substr(0, 1)) + "'");
+    size_t b = out.find_first_not_of(" \t\r"), e = out.find_last_not_of(" \t\r");
+    return b == std::string::npos ? std::string() : out.substr(b, e - b + 1);
+  }
+
+  /// A seed-era tensor dump as an attribute value: numbers (any layout, across lines)
+  /// followed by `[ CPUDoubleTensor{2,2} ]`. Returns the text from the first number to
+  /// the closing `]` and consumes it, or nothing (and consumes nothing) when the text
+  /// ahead is not such a dump.
+  std::optional<std::string> tensor_dump() {
+    if (has_peeked_) return std::nullopt;
+    size_t p = pos_;
+    auto at_p = [&](size_t k) { return p + k < text_.size() ? text_[p + k] : '\0'; };
+    while (p < text_.size() && std::isspace(static_cast<unsigned char>(text_[p]))) ++p;
+    size_t start = p;
+    bool any_number = false;
+    // The values: numbers, signs, dots, exponents, whitespace.
+    while (p < text_.size()) {
+      char c = text_[p];
+      if (std::isspace(static_cast<unsigned char>(c)) || std::isdigit(static_cast<unsigned char>(c)) || c == '.' ||
+          c == '-' || c == '+' || ((c == 'e' || c == 'E') && any_number)) {
+        any_number = any_number || std::isdigit(static_cast<unsigned char>(c));
+        ++p;
+        continue;
+      }
+      break;
+    }
+    if (!any_number || at_p(0) != '[') return std::nullopt;
+    size_t q = p + 1;
+    while (q < text_.size() && text_[q] == ' ') ++q;
+    size_t name_begin = q;
+    while (q < text_.size() && ident_char(text_[q])) ++q;
+    std::string_view type_name = text_.substr(name_begin, q - name_begin);
+    if (type_name.size() < 7 || type_name.substr(type_name.size() - 6) != "Tensor" || q >= text_.size() ||
+        text_[q] != '{')
+      return std::nullopt;
+    while (q < text_.size() && text_[q] != '}' && text_[q] != '\n') ++q;
+    if (q >= text_.size() || text_[q] != '}') return std::nullopt;
+    ++q;
+    while (q < text_.size() && text_[q] == ' ') ++q;
+    if (q >= text_.size() || text_[q] != ']') return std::nullopt;
+    ++q;
+    while (pos_ < start) advance();
+    std::string out;
+    while (pos_ < q) out += cur(), advance();
+    return out;
+  }
+
   [[noreturn]] void fail(size_t line, size_t column, const std::string& msg) const {
     throw ParseError(line, column, msg);
   }
@@ -91,7 +157,11 @@ class Lexer {
     char c = cur();
     if (ident_start(c)) {
       t.kind = TokenKind::Ident;
-      while (ident_char(cur())) t.text += cur(), advance();
+      for (;;) {
+        while (ident_char(cur())) t.text += cur(), advance();
+        if (cur() != ':' || at(1) != ':' || !ident_start(at(2))) break;
+        t.text += "::", advance(), advance();
+      }
       return t;
     }
     if (c == '%') {
@@ -156,7 +226,7 @@ class Lexer {
       }
       return t;
     }
-    static constexpr std::string_view puncts = "()[]{},:=;^!|<>";
+    static constexpr std::string_view puncts = "()[]{},:=;^!|<>*";
     if (puncts.find(c) != std::string_view::npos) {
       t.kind = TokenKind::Punct;
       t.text = std::string(1, c);
