@@ -119,6 +119,20 @@ TEST_SUITE("ir") {
     CHECK(same(run(t, {{sj::Variable(x)}})[0][0], x.permute({2, 1, 0})));
   }
 
+  TEST_CASE("seed era: an LSTM cell printed with Gemm, Split and a FusionGroup_0 of seed op names runs") {
+    auto g = graph_file("seed_era_lstm_cell.ir");
+    at::Tensor x = at::randn({3, 10}), h = at::randn({3, 20}), c = at::randn({3, 20});
+    at::Tensor w_ih = at::randn({80, 10}), w_hh = at::randn({80, 20}), b_ih = at::randn({80}), b_hh = at::randn({80});
+    auto gates = (at::addmm(b_ih, x, w_ih.t()) + at::addmm(b_hh, h, w_hh.t())).chunk(4, 1);
+    at::Tensor cy = gates[1].sigmoid() * c + gates[0].sigmoid() * gates[2].tanh();
+    at::Tensor hy = gates[3].sigmoid() * cy.tanh();
+    sj::variable_list in;
+    for (const at::Tensor& t : {x, h, c, w_ih, w_hh, b_ih, b_hh}) in.emplace_back(t);
+    auto out = run(g, {in})[0];
+    CHECK(same(out[0], hy, 1e-5));
+    CHECK(same(out[1], cy, 1e-5));
+  }
+
   TEST_CASE("2018: namespaces, no ';', scopes, scalar tensors, fusion group devices, Dynamic and Tensor") {
     auto g = graph_file("seed_era_2018.ir");
     std::string printed = ir::to_string(*g);
