@@ -377,4 +377,34 @@ TEST_CASE("a grad_output on another device than its output is refused, eager and
   CHECK_THROWS(torch::autograd::grad({tx * 2.0}, {tx}, {torch::ones({3}, meta)}));
 }
 
+// A traceable host function whose forward computes with raw ATen (not traced).
+struct RawForward : sj::HostFunction<RawForward> {
+  static constexpr bool traceable = true;
+  static sj::Variable forward(sj::HostContext*, sj::Variable v) { return sj::Variable(v.data().exp()); }
+  static sj::variable_list backward(sj::HostContext*, sj::variable_list g) { return {g[0]}; }
+};
+
+TEST_CASE("a Variable that requires grad and is not an input is refused by the tracer, not frozen") {
+  sj::Variable x(at::tensor({1.0, 2.0}, at::kDouble), true);
+  // A captured parameter: frozen as a constant its gradient would silently be missing.
+  sj::Variable w(at::tensor({3.0, -1.0}, at::kDouble), true);
+  auto f = sj::compile([w](const sj::variable_list& in) -> sj::variable_list { return {sj::sum(in[0] * w)}; },
+                       {.derivatives = 1});
+  CHECK_THROWS_WITH_AS(f({x}), doctest::Contains("a Variable that requires grad (a Double tensor of shape [2]) is used "
+                                                 "but is neither an input of the traced function"),
+                       sj::TraceError);
+  // Detached, it is a constant, as the message says.
+  sj::Variable wd = w.detach();
+  auto g = sj::compile([wd](const sj::variable_list& in) -> sj::variable_list { return {sj::sum(in[0] * wd)}; },
+                       {.derivatives = 1});
+  auto y = g({x});
+  auto gx = sj::grad({y[0]}, {x});
+  CHECK(at::equal(gx[0].data(), w.data()));
+  // A traceable host function whose forward computes with raw ATen: its result is not
+  // traced, so using it is refused instead of freezing the first call's value.
+  auto h = sj::compile([](const sj::variable_list& in) -> sj::variable_list { return {RawForward::apply(in[0]) * 2.0}; },
+                       {.derivatives = 1});
+  CHECK_THROWS_AS(h({x}), sj::TraceError);
+}
+
 }  // TEST_SUITE

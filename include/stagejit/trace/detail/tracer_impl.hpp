@@ -129,7 +129,17 @@ class TracingState final : public TraceHook {
 
   // A tensor met for the first time: a Constant holding a clone (made now, so later
   // mutation of the original does not leak into the graph), shared by later uses.
+  // A Variable the trace did not see being made: a constant of the graph (cloned, so later
+  // changes to it change nothing). One that requires grad is refused, as libtorch's tracer
+  // refuses to insert a tensor that requires grad as a constant: frozen, its gradient
+  // would silently be lost (a captured parameter, or the raw ATen result of a traceable
+  // host function's forward).
   ir::Value* constant_for(const Variable& v) {
+    STAGEJIT_CHECK_AS(TraceError, !v.requires_grad(), "trace: a Variable that requires grad (a ",
+                      v.scalar_type(), " tensor of shape ", v.sizes(),
+                      ") is used but is neither an input of the traced function nor computed from one "
+                      "by a stagejit op; frozen as a constant its gradient would be lost: pass it in as an "
+                      "input, or detach() it");
     ir::Value* c = graph_->append_constant(v.data().clone());
     bind(v, c);
     return c;
