@@ -98,4 +98,43 @@ TEST_SUITE("ir") {
       CHECK(outputs[0].size() == closure->plan.stage_outputs(0).size());
     }
   }
+
+  TEST_CASE("fuzz regressions: a fusion group nested in a fusion group runs (node by node)") {
+    // Lint accepts nested groups and the printer and parser keep them, but the fuser's
+    // node-by-node fallback refused every node that is not an op ("fusion: node #5
+    // (fusion_group) is not an op"): test/ir/graphs/nested_fusion.ir, the first input of
+    // fuzz_run_stages' seed corpus, could not run.
+    auto g = ir::parse(read_text_file(fs::path(STAGEJIT_SOURCE_DIR) / "test/ir/graphs/nested_fusion.ir"));
+    ir::lint(*g);
+    auto closure = std::make_shared<const stagejit::closure::MultiStageClosure>(g);
+    at::Tensor a = at::tensor({1.5f, -2.0f}), b = at::tensor({3.0f, 0.25f});
+    auto outputs = stagejit::closure::run_stages(closure, {{stagejit::Variable(a), stagejit::Variable(b)}});
+    REQUIRE(outputs.size() == 1);
+    REQUIRE(outputs[0].size() == 1);
+    // fusion_group_0: (a*b, -(a*b)); fusion_group_1: x - y = 2ab.
+    CHECK(at::allclose(outputs[0][0].data(), 2 * a * b));
+  }
+
+  TEST_CASE("fuzz regressions: the fuser's fallback runs every kind a group's subgraph may hold") {
+    // Constant, Transpose and Reshape in a fusion group (lint accepts them in a
+    // subgraph) ran nowhere: the node-by-node fallback took ops only.
+    auto g = ir::parse(
+        "graph(%x : Float(2, 3)) {\n"
+        "  %0 : Float(3, 2) = fusion_group_0(%x);\n"
+        "  return (%0);\n"
+        "}\n"
+        "with fusion_group_0 = graph(%x : Float(2, 3)) {\n"
+        "  %0 : Float(1) = Constant[value=Float(1){2.0}]();\n"
+        "  %1 : Float(3!, 2!) = Transpose[perm=[1, 0]](%x);\n"
+        "  %2 : Float(3, 2) = mul(%1, %0);\n"
+        "  %3 : Float(6) = Reshape[shape=[6]](%2);\n"
+        "  %4 : Float(3, 2) = Reshape[shape=[3, 2]](%3);\n"
+        "  return (%4);\n"
+        "}\n");
+    ir::lint(*g);
+    auto closure = std::make_shared<const stagejit::closure::MultiStageClosure>(g);
+    at::Tensor x = at::arange(6, at::kFloat).reshape({2, 3});
+    auto outputs = stagejit::closure::run_stages(closure, {{stagejit::Variable(x)}});
+    CHECK(at::equal(outputs.at(0).at(0).data(), x.t() * 2));
+  }
 }
