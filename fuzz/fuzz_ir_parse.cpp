@@ -3,7 +3,7 @@
 // - parse either returns a graph or throws ParseError (its documented error);
 // - lint either accepts the graph or throws LintError;
 // - a parsed graph prints, its print parses, and that graph prints identically;
-//   lint gives the reprinted graph the same verdict.
+//   lint gives the reprinted graph the same verdict; clone() prints as the graph.
 // Anything else (a crash, a sanitizer report, another exception type, a failed internal
 // assertion, a round-trip mismatch) is a finding: __builtin_trap().
 #include <cstddef>
@@ -77,6 +77,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!g) return 0;
   const std::string verdict = lint_verdict(*g, "lint(parse(input))");
   const std::string p1 = print(*g, "to_string(parse(input))");
+  std::shared_ptr<ir::Graph> copy;
+  fz::no_foreign_exceptions("clone", [&] { copy = g->clone(); });
+  if (print(*copy, "to_string(clone)") != p1) fz::finding("clone() prints differently from the graph", p1);
   auto g2 = parse_or_null(p1, "parse(to_string(parse(input)))");
   if (!g2) fz::finding("the canonical print of a parsed graph does not parse", p1);
   const std::string p2 = print(*g2, "to_string(parse(print))");

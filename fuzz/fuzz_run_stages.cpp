@@ -128,8 +128,12 @@ bool expected_run_error(const stagejit::Error& e) {
 
 }  // namespace
 
+static bool log_errors = false;
+
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   at::set_num_threads(1);
+  const char* log = std::getenv("STAGEJIT_FUZZ_LOG_ERRORS");
+  log_errors = log && *log == '1';
   // Fusion groups run their nodes one by one: a compiler that cannot be found makes the
   // CPU backend fail fast and `run_fused` fall back (instead of compiling a kernel with
   // the system compiler, seconds per group). The disk cache goes to a private folder.
@@ -154,12 +158,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fz::no_foreign_exceptions("build + run stage 0", [&] {
     try {
       closure = std::make_shared<const stagejit::closure::MultiStageClosure>(graph);
-      if (!make_inputs(*closure, inputs)) return;
+      if (!make_inputs(*closure, inputs)) {
+        if (log_errors) std::fprintf(stderr, "run skipped: inputs\n");
+        return;
+      }
       auto outputs = stagejit::closure::run_stages(closure, {inputs});
+      if (log_errors) std::fprintf(stderr, "run ok\n");
       if (outputs.size() != 1 || outputs[0].size() != closure->plan.stage_outputs(0).size())
         fz::finding("run_stages returned the wrong number of outputs", ir::to_string(*graph));
     } catch (const stagejit::Error& e) {
       fz::check_not_internal(e, "build + run stage 0");
+      if (log_errors) {  // STAGEJIT_FUZZ_LOG_ERRORS=1: which errors the corpus meets (fuzz/README.md)
+        const std::string_view m = e.what();
+        std::fprintf(stderr, "run error: %s: %.*s\n", typeid(e).name(), int(m.find('\n')), m.data());
+      }
       if (!expected_run_error(e))
         fz::finding("lint accepted a graph that the runner refuses with an error lint should have raised",
                     std::string(typeid(e).name()) + ": " + e.what() + "\n" + ir::to_string(*graph));
