@@ -210,9 +210,12 @@ inline void check_defined_inputs(const ir::Graph& subgraph, const std::vector<at
 }  // namespace detail
 
 /// Runs `subgraph`'s nodes one by one (`semantics::run_pure`: ATen eager): the fallback
-/// of `run_fused` and the oracle of its tests. Throws `Error` naming the op and input for
-/// an undefined input (as `ops::apply` does), what `run_forward` throws, and FusionError
-/// for a node that is not an op or an attribute a table op cannot take.
+/// of `run_fused` and the oracle of its tests. Besides ops, the other kinds a group's
+/// subgraph may hold (ir/lint.hpp) run too: Constant, Undefined, Transpose, Reshape, Gemm
+/// as `run_pure` runs them, a nested FusionGroup by running its subgraph the same way.
+/// Throws `Error` naming the op and input for an undefined input (as `ops::apply` does),
+/// what `run_forward` throws, and FusionError for a HostOp or Eval (they need the
+/// closure's context) or an attribute a table op cannot take.
 inline std::vector<at::Tensor> run_unfused(const ir::Graph& subgraph, const std::vector<at::Tensor>& inputs) {
   STAGEJIT_CHECK_AS(FusionError, inputs.size() == subgraph.inputs().size(), "fusion: the group has ",
                     subgraph.inputs().size(), " inputs but was given ", inputs.size(), " tensors");
@@ -220,20 +223,21 @@ inline std::vector<at::Tensor> run_unfused(const ir::Graph& subgraph, const std:
   for (size_t i = 0; i < inputs.size(); ++i) env[subgraph.inputs()[i]] = inputs[i];
   for (const ir::Node* n : subgraph.nodes()) {
     const auto* op = n->get_if<ir::Op>();
-    STAGEJIT_CHECK_AS(FusionError, op, "fusion: node #", n->id(), " (", n->describe(), ") is not an op");
+    const auto* group = n->get_if<ir::FusionGroup>();
     std::vector<at::Tensor> args;
     for (const ir::Value* v : n->inputs()) {
       args.push_back(env.at(v));
-      STAGEJIT_CHECK(args.back().defined(), "op '", op->name(), "': input ", args.size() - 1, " is undefined");
+      if (op)
+        STAGEJIT_CHECK(args.back().defined(), "op '", op->name(), "': input ", args.size() - 1, " is undefined");
     }
     std::vector<at::Tensor> outs;
     try {
-      outs = semantics::run_pure(*n, args);
-    } catch (const CompileError& e) {  // attributes a table op cannot take
+      outs = group && group->subgraph ? run_unfused(*group->subgraph, args) : semantics::run_pure(*n, args);
+    } catch (const CompileError& e) {  // attributes a table op cannot take; HostOp, Eval
       throw FusionError(std::string("fusion: ") + e.what());
     }
-    STAGEJIT_CHECK_AS(FusionError, outs.size() == n->outputs().size(), "fusion: op '", op->name(), "' returned ",
-                      outs.size(), " tensors for ", n->outputs().size(), " outputs");
+    STAGEJIT_CHECK_AS(FusionError, outs.size() == n->outputs().size(), "fusion: node #", n->id(), " (",
+                      n->describe(), ") returned ", outs.size(), " tensors for ", n->outputs().size(), " outputs");
     for (size_t i = 0; i < outs.size(); ++i) env[n->output(i)] = outs[i];
   }
   std::vector<at::Tensor> out;

@@ -184,6 +184,7 @@ class Parser {
       pending_open_ = true;
     }
     auto [sizes, marks, device] = parse_dims();
+    check_strides_fit(t, sizes, marks);
     return TensorType{*dtype, DimList(sizes), ir::parse_strides(sizes, marks), device};
   }
 
@@ -193,6 +194,19 @@ class Parser {
                                "Layout", "ScalarType", "Scalar", "Number", "Tuple", "List", "Optional", "Future"})
       if (n == k) return true;
     return false;
+  }
+
+  // The strides `parse_strides` rebuilds for these sizes and marks, and size * stride of
+  // every dimension, must fit in 64 bits (as in ATen); else the type describes no tensor.
+  void check_strides_fit(const Token& type, const std::vector<int64_t>& sizes, const std::vector<bool>& marks) {
+    int64_t stride = 1, span = 0;
+    for (size_t d = sizes.size(); d-- > 0;) {
+      bool overflow = marks[d] && stride != 0 && __builtin_mul_overflow(stride, 2, &stride);
+      if (marks[d] && stride == 0) stride = 1;
+      if (overflow || __builtin_mul_overflow(sizes[d], stride, &span))
+        fail(type, "tensor type sizes " + sizes_text(sizes) + " overflow: their strides do not fit in 64 bits");
+      stride = span;
+    }
   }
 
   // `(3, 4!, device=cuda:0)`

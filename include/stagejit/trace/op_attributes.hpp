@@ -17,7 +17,7 @@ inline Attributes to_core_attributes(const ir::AttributeList& attrs) {
   out.reserve(attrs.size());
   for (const auto& [name, value] : attrs) {
     std::visit(
-        [&, &name = name](const auto& v) {
+        [&, &name = name, &value = value](const auto& v) {  // clang < 16 cannot capture bindings
           using T = std::decay_t<decltype(v)>;
           if constexpr (std::is_same_v<T, double> || std::is_same_v<T, int64_t> ||
                         std::is_same_v<T, std::string> ||
