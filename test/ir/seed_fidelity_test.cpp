@@ -5,6 +5,7 @@
 #include <stagejit/stagejit.hpp>
 #include <stagejit/testing/doctest.hpp>
 
+#include <cmath>
 #include <filesystem>
 
 #include "ir_test_util.hpp"
@@ -54,6 +55,58 @@ TEST_SUITE("ir") {
     CHECK(node_at(*g, 0)->get_if<ir::Op>()->id() == sj::OpId::neg);
     at::Tensor x = at::randn({2});
     CHECK(same(run(g, {{sj::Variable(x)}})[0][0], x));
+  }
+
+  TEST_CASE("seed era: a use list naming the wrong node, or an ambiguous seed function, is not taken on trust") {
+    // %8 is Baz's hidden id (its first output is %9), and Baz does not use %3.
+    CHECK_THROWS_WITH_AS(ir::parse("graph(%1 : Float(2)) {\n"
+                                   "  %3 : Float(2), %4 : Handle = ^Foo()(%1), uses = [[%8.i0], []];\n"
+                                   "  %6 : Float(2), %7 : Handle = ^Bar()(%3), uses = [[%0.i0], []];\n"
+                                   "  %9 : Float(2), %10 : Handle = ^Baz()(%1), uses = [[%0.i1], []];\n"
+                                   "  return (%6, %9);\n}\n"),
+                         doctest::Contains("use %8.i0 does not match any use"), sj::ParseError);
+    // A hidden id below an intervening node (the seed's test_conv: the CppOp is %3, an
+    // Undefined made after it is %4, its outputs %5 and %6).
+    auto conv = round_trip("graph(%1 : Double(1, 2, 5, 5)\n      %2 : Double(3, 2, 3, 3)) {\n"
+                           "  %4 : UNKNOWN_TYPE = Undefined(), uses = [%3.i2];\n"
+                           "  %5 : Double(1, 3, 3, 3), %6 : Handle = CppOp[ConvForward](%1, %2, %4), uses = [[%0.i0], []];\n"
+                           "  return (%5);\n}\n");
+    CHECK(conv->nodes()[1]->get_if<ir::HostOp>()->name == "ConvForward");
+    // `2 - x` and `x - 2` printed alike: SubConstant / DivConstant stay host ops.
+    auto sub = round_trip("graph(%1 : Float(2)) {\n  %2 : Float(2) = ^SubConstant(2)(%1);\n  return (%2);\n}\n");
+    CHECK(sub->nodes()[0]->is<ir::HostOp>());
+    // An alias with the wrong number of inputs is a ParseError naming the arity.
+    CHECK_THROWS_WITH_AS(ir::parse("graph(%1 : Float(2)) {\n  %2 : Float(2) = Add(%1);\n  return (%2);\n}\n"),
+                         "2:19: Add (the table's add) takes 2 inputs (or 1 with the attribute 'other'), found 1",
+                         sj::ParseError);
+    // ... and a CppOp class of the wrong arity stays a host op.
+    auto cpp = round_trip("graph(%1 : Float(2)) {\n  %2 : Float(2) = CppOp[N5torch8autograd3AddE](%1);\n  return (%2);\n}\n");
+    CHECK(cpp->nodes()[0]->is<ir::HostOp>());
+  }
+
+  TEST_CASE("tensor dumps as TH printed them: nan and inf read, other layouts and overflowing sizes kept as text") {
+    auto nan = round_trip("graph(%1 : Float(2)) {\n  %2 : Float(2) = T[a=\n nan\n-inf\n[ CPUFloatTensor{2} ]\n](%1);\n"
+                          "  return (%2);\n}\n");
+    const auto& a = std::get<at::Tensor>(*nan->nodes()[0]->get_if<ir::Op>()->attribute("a"));
+    CHECK(std::isnan(a[0].item<float>()));
+    CHECK(a[1].item<float>() == -INFINITY);
+    auto scaled = round_trip("graph(%1 : Float(2)) {\n  %2 : Float(2) = T[a=\n1e-02 *\n  1.5\n  2.5\n[ CPUFloatTensor{2} ]\n](%1);\n"
+                             "  return (%2);\n}\n");
+    CHECK(std::holds_alternative<std::string>(*scaled->nodes()[0]->get_if<ir::Op>()->attribute("a")));
+    auto huge = round_trip("graph(%1 : Float(2)) {\n  %2 : Float(2) = T[a= 1 [ CPUDoubleTensor{7623851,13526403,357761} ]](%1);\n"
+                           "  return (%2);\n}\n");
+    CHECK(std::get<std::string>(*huge->nodes()[0]->get_if<ir::Op>()->attribute("a")) ==
+          "1 [ CPUDoubleTensor{7623851,13526403,357761} ]");
+  }
+
+  TEST_CASE("a stage output whose declared type its op does not compute is an error naming the node") {
+    auto lie = round_trip("graph(%x : Float(2, 3)) {\n  %1 : Float(2, 3) = Transpose[perm=[1, 0]](%x);\n  return (%1);\n}\n");
+    CHECK_THROWS_WITH_AS(run(lie, {{sj::Variable(at::randn({2, 3}))}}),
+                         "stage 0 output 0, %1 (node %1 = Transpose (line 2, column 3)), is a Float tensor of sizes "
+                         "[3, 2] but is declared Float(2, 3)",
+                         sj::ShapeError);
+    auto dtype = round_trip("graph(%x : Float(2)) {\n  %1 : Double(2) = neg(%x);\n  return (%1);\n}\n");
+    CHECK_THROWS_AS(run(dtype, {{sj::Variable(at::randn({2}))}}), sj::DtypeError);
   }
 
   TEST_CASE("seed era: the three-stage MulConstant/Mul printout runs every stage") {

@@ -451,6 +451,25 @@ class StageCall final : public ClosureImpl {
   std::string name_;
 };
 
+/// Checks that each defined output of stage `s` has the dtype and sizes its value declares
+/// (a graph read from text may declare types its ops do not compute; a traced graph's
+/// types are what ran). Throws DtypeError / ShapeError naming the value as `--print`
+/// does and the line and column of the node that made it.
+inline void check_declared_types(const std::vector<ir::Value*>& values, const variable_list& outputs, std::size_t s) {
+  for (std::size_t i = 0; i < values.size() && i < outputs.size(); ++i) {
+    const ir::TensorType* declared = values[i]->tensor_type();
+    if (!declared || !outputs[i].defined()) continue;
+    const at::Tensor& t = outputs[i].data();
+    const bool dtype_ok = t.scalar_type() == declared->dtype;
+    if (dtype_ok && t.sizes() == at::IntArrayRef(declared->sizes)) continue;
+    const std::string what = ::stagejit::detail::str_cat(
+        "stage ", s, " output ", i, ", ", ir::value_label(values[i]), " (node ", ir::node_label(values[i]->node()),
+        "), is a ", t.scalar_type(), " tensor of sizes ", t.sizes(), " but is declared ", ir::to_string(values[i]->type()));
+    if (!dtype_ok) throw DtypeError(what);
+    throw ShapeError(what);
+  }
+}
+
 /// Runs stages 0..inputs.size()-1 of `closure` one after another, stage s on `inputs[s]`
 /// (one Variable per stage input; an undefined one becomes zeros of the declared type),
 /// each primed with what the earlier stages captured; no autograd linkage. Returns each
@@ -468,6 +487,7 @@ inline std::vector<variable_list> run_stages(std::shared_ptr<const MultiStageClo
   for (std::size_t s = 0; s < inputs.size(); ++s) {
     CallState state;
     call->run(inputs[s], state);
+    check_declared_types(closure->plan.stage_outputs(s), state.outputs, s);
     results.push_back(std::move(state.outputs));
     if (s + 1 < inputs.size()) call = call->next_call(state);
   }

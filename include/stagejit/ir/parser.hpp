@@ -10,8 +10,8 @@
 ///   node whose single output is `%N`; of the return statement for `%0` when no value is
 ///   called `%0`; or, `%N` naming no value, of the node it is the hidden id of. The seed
 ///   numbered a node before its outputs and printed host ops, CppOps and fusion groups
-///   through Select nodes, so `%N` is the node whose first output is `%N+1`, or else a
-///   multi-output node.
+///   through Select nodes, so `%N` is a user whose first output's number is above N: the
+///   nearest such user (usually the node of `%N+1`).
 /// - `^Name(scalars)(inputs)` without a calling convention: tensors first, then scalars.
 ///   Scalars as Python printed them: `True`, `False`, `None` (`NoneScalar`), tuples
 ///   `(3, 2)` and `(3,)` (int lists), bare words `mean` (strings).
@@ -350,7 +350,7 @@ class Parser {
       i = j;
     }
     int64_t n = 1;
-    for (int64_t s : sizes) n *= s;
+    for (int64_t s : sizes) ok = ok && !__builtin_mul_overflow(n, s, &n);
     if (ok && int64_t(values.size()) == n) {
       at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(*dtype));
       bool filled = true;
@@ -612,6 +612,23 @@ class Parser {
 
   static std::string name_text(const Token& t) { return t.text; }
 
+  // Whether an aliased op takes `n` inputs: its arity in the table, and two for the binary
+  // arithmetic ops unless their scalar operand (`other`) is an attribute.
+  static bool alias_arity_fits(const Op& op, size_t n) {
+    const OpSchema& s = op.schema();
+    if (int(n) < s.min_inputs || (s.max_inputs >= 0 && int(n) > s.max_inputs)) return false;
+    const bool binary = op.id() == OpId::add || op.id() == OpId::sub || op.id() == OpId::mul || op.id() == OpId::div;
+    return !binary || n == 2 || op.attribute("other");
+  }
+  static std::string arity_text(const Op& op) {
+    const OpSchema& s = op.schema();
+    if (op.id() == OpId::add || op.id() == OpId::sub || op.id() == OpId::mul || op.id() == OpId::div)
+      return "2 inputs (or 1 with the attribute 'other')";
+    if (s.max_inputs < 0) return "at least " + std::to_string(s.min_inputs) + " inputs";
+    if (s.min_inputs == s.max_inputs) return std::to_string(s.min_inputs) + " input" + (s.min_inputs == 1 ? "" : "s");
+    return std::to_string(s.min_inputs) + " to " + std::to_string(s.max_inputs) + " inputs";
+  }
+
   // The seed era's Python autograd functions (torch.autograd._functions, 2017) printed
   // as `^Name(scalars)(inputs)`, onto the op table: the tensor-tensor arithmetic and
   // pointwise ones, `AddConstant(c[, inplace])` and its kin, `Transpose(d0, d1)`,
@@ -640,8 +657,9 @@ class Parser {
       std::string_view from;
       OpId to;
     };
-    static constexpr Constant constants[] = {
-        {"AddConstant", OpId::add}, {"SubConstant", OpId::sub}, {"MulConstant", OpId::mul}, {"DivConstant", OpId::div}};
+    // Not SubConstant / DivConstant: the seed printed `2 - x` (tensor second) as it printed
+    // `x - 2`, so their text does not say which they compute; they stay host ops.
+    static constexpr Constant constants[] = {{"AddConstant", OpId::add}, {"MulConstant", OpId::mul}};
     for (const Constant& c : constants) {
       if (c.from != name || num_inputs != 1 || scalars.empty() || (scalars.size() > 1 && !inplace_flag)) continue;
       if (auto v = number(scalars[0])) return Op(c.to, {{"other", *v}});
@@ -745,7 +763,8 @@ class Parser {
       std::string cls = cpp_class_name(name);
       if (is_eval_name(name) || is_eval_name(cls)) return g.create(Eval{}, inputs, {});
       if (!handle_output)
-        if (auto op = alias_op(t, cls, {}, {})) return g.create(std::move(*op), inputs, {});
+        if (auto op = alias_op(t, cls, {}, {}); op && alias_arity_fits(*op, inputs.size()))
+          return g.create(std::move(*op), inputs, {});
       return g.create(HostOp{name, std::string(inputs.size(), 't'), {}, nullptr}, inputs, {});
     }
     if (auto ref = fusion_ref(t.text)) {
@@ -785,8 +804,14 @@ class Parser {
     });
     if (!kind) {
       AttributeList attrs = parse_attrs_tracked();
-      if (auto op = alias_op(t, bare, attrs, attr_tokens)) kind = std::move(*op);
-      else kind = Op{bare, std::move(attrs)};
+      auto inputs = parse_input_list(scope);
+      if (auto op = alias_op(t, bare, attrs, attr_tokens)) {
+        if (!alias_arity_fits(*op, inputs.size()))
+          fail(t, t.text + " (the table's " + std::string(op->name()) + ") takes " + arity_text(*op) + ", found " +
+                      std::to_string(inputs.size()));
+        return g.create(std::move(*op), inputs, {});
+      }
+      return g.create(Op{bare, std::move(attrs)}, inputs, {});
     }
     auto inputs = parse_input_list(scope);
     return g.create(std::move(*kind), inputs, {});
@@ -875,6 +900,13 @@ class Parser {
   }
 
   void check_uses(Graph& g, Scope& scope) {
+    if (scope.uses.empty()) return;
+    // The number each value has in the file (`%12` -> 12), for hidden ids.
+    std::unordered_map<const Value*, int64_t> file_number;
+    for (const auto& [name, value] : scope.values) {
+      int64_t n = 0;
+      if (parse_number(name, n)) file_number[value] = n;
+    }
     for (auto& p : scope.uses) {
       const auto& outs = p.node->outputs();
       if (!p.nested && outs.size() != 1)
@@ -892,34 +924,36 @@ class Parser {
         for (const UseRef& r : listed) {
           auto it = scope.values.find(r.user);
           Node* user = nullptr;
-          bool hidden = false;
+          int64_t hidden_id = -1;
           if (it != scope.values.end()) {
             if (it->second->node()->outputs().size() != 1)
               fail(r.token, "use %" + r.token.text + " names an output of a multi-output node, not a user node");
             user = it->second->node();
           } else if (r.user == "0") {
             user = g.return_node();
-          } else {
-            // A hidden id: the seed numbered a node before its outputs and printed them
-            // through Select nodes, so `%N` is the node whose first output is `%N+1`
-            // (or a multi-output node whose id the file does not show otherwise).
-            hidden = true;
-            int64_t id = -1;
-            if (parse_number(r.user, id) && id >= 0) {
-              auto next = scope.values.find(std::to_string(id + 1));
-              if (next != scope.values.end() && next->second->node()->outputs()[0] == next->second)
-                user = next->second->node();
-            }
+          } else if (!parse_number(r.user, hidden_id) || hidden_id < 0) {
+            fail(r.token, "use %" + r.token.text + " names no value and no node of this graph");
           }
-          bool ok = false;
-          for (int pass = user ? 0 : 1; pass < (hidden ? 2 : 1) && !ok; ++pass) {
-            for (size_t k = 0; k < v->uses().size() && !ok; ++k) {
-              const Use& u = v->uses()[k];
-              if (matched[k] || u.offset != r.offset) continue;
-              bool match = pass == 0 ? u.user == user : (u.user->outputs().size() != 1 && !u.user->is<Return>());
-              if (match) ok = matched[k] = true;
+          // A hidden id (`%N` naming no value): the seed numbered a node when it made it,
+          // then its outputs (Select nodes), so `%N` is a user node whose first output's
+          // number is above N; of those, the nearest one (usually `%N+1`).
+          size_t best = v->uses().size();
+          int64_t best_first = 0;
+          for (size_t k = 0; k < v->uses().size(); ++k) {
+            const Use& u = v->uses()[k];
+            if (matched[k] || u.offset != r.offset) continue;
+            if (user) {
+              if (u.user != user) continue;
+              best = k;
+              break;
             }
+            if (u.user->is<Return>() || u.user->outputs().empty()) continue;
+            auto first = file_number.find(u.user->outputs()[0]);
+            if (first == file_number.end() || first->second <= hidden_id) continue;
+            if (best == v->uses().size() || first->second < best_first) best = k, best_first = first->second;
           }
+          const bool ok = best < v->uses().size();
+          if (ok) matched[best] = true;
           if (!ok) fail(r.token, "use %" + r.token.text + " does not match any use of this value");
         }
       }

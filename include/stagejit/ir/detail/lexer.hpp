@@ -8,6 +8,7 @@
 /// readers below, which work only while no token is peeked.
 
 #include <stagejit/core/detail/bodies_begin.hpp>
+#include <algorithm>
 #include <cctype>
 #include <cstddef>
 #include <string>
@@ -74,10 +75,11 @@ class Lexer {
     return b == std::string::npos ? std::string() : out.substr(b, e - b + 1);
   }
 
-  /// A seed-era tensor dump as an attribute value: numbers (any layout, across lines)
-  /// followed by `[ CPUDoubleTensor{2,2} ]`. Returns the text from the first number to
-  /// the closing `]` and consumes it, or nothing (and consumes nothing) when the text
-  /// ahead is not such a dump.
+  /// A seed-era tensor dump as an attribute value: the values as TH printed them (any
+  /// layout across lines: numbers, `nan`, `inf`, a `1e-02 *` scale, `(1,.,.) =` slices,
+  /// `Columns 1 to 8` headers) followed by `[ CPUDoubleTensor{2,2} ]`. Returns the text
+  /// from its first character to the closing `]` and consumes it, or nothing (consuming
+  /// nothing) when the text ahead, up to its first bracket or quote, is not such a dump.
   std::optional<std::string> tensor_dump() {
     if (has_peeked_) return std::nullopt;
     size_t p = pos_;
@@ -85,16 +87,10 @@ class Lexer {
     while (p < text_.size() && std::isspace(static_cast<unsigned char>(text_[p]))) ++p;
     size_t start = p;
     bool any_number = false;
-    // The values: numbers, signs, dots, exponents, whitespace.
-    while (p < text_.size()) {
-      char c = text_[p];
-      if (std::isspace(static_cast<unsigned char>(c)) || std::isdigit(static_cast<unsigned char>(c)) || c == '.' ||
-          c == '-' || c == '+' || ((c == 'e' || c == 'E') && any_number)) {
-        any_number = any_number || std::isdigit(static_cast<unsigned char>(c));
-        ++p;
-        continue;
-      }
-      break;
+    const size_t limit = std::min(text_.size(), start + (size_t(1) << 20));  // no quadratic rescans
+    while (p < limit && text_[p] != '[' && text_[p] != ']' && text_[p] != '"') {
+      any_number = any_number || std::isdigit(static_cast<unsigned char>(text_[p]));
+      ++p;
     }
     if (!any_number || at_p(0) != '[') return std::nullopt;
     size_t q = p + 1;
