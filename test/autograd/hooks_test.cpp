@@ -12,11 +12,7 @@ namespace {
 
 using VL = sj::variable_list;
 
-struct ThreadCount {
-  int saved = sj::engine::num_threads();
-  explicit ThreadCount(int n) { sj::engine::set_num_threads(n); }
-  ~ThreadCount() { sj::engine::set_num_threads(saved); }
-};
+using oracle::ThreadCount;
 
 // 2-layer tanh MLP step: in = {x [8,5], W1 [6,5], b1 [6], W2 [3,6], b2 [3]} -> {sum of squares}.
 VL mlp(const VL& in) {
@@ -128,7 +124,15 @@ TEST_SUITE("autograd") {
     std::vector<std::pair<std::size_t, at::Tensor>> early;
     sj::OutputSink sink = [&](std::size_t i, sj::Variable v) { early.emplace_back(i, v.data()); };
     const std::size_t n = loss.grad_fn()->next_functions.size();
-    VL returned = closure->impl->apply({sj::Variable(at::ones({}, at::kDouble))}, std::vector<char>(n, 1), sink);
+    VL returned;
+    {
+      // In grad mode the outputs need the next stage as grad_fn, so they leave at the end.
+      VL late = closure->impl->apply({sj::Variable(at::ones({}, at::kDouble))}, std::vector<char>(n, 1), sink);
+      CHECK(early.empty());
+      sj::NoGradGuard no_grad;  // as a backward without create_graph runs it
+      returned = closure->impl->apply({sj::Variable(at::ones({}, at::kDouble))}, std::vector<char>(n, 1), sink);
+      for (std::size_t i = 0; i < n; ++i) CHECK(at::equal(late[i].data(), returned[i].data()));
+    }
     REQUIRE(early.size() == n);
     std::vector<char> seen(n, 0);
     for (auto& [i, t] : early) {
