@@ -7,7 +7,8 @@
 // the real job's shapes), so the bench needs no dataset. bench/data_parallel.md holds
 // the numbers and what limits them.
 //
-// Usage: build/bench/data_parallel [--steps N] [--batch-size B] [--world-sizes 1,2,4]
+// Usage: OPENBLAS_NUM_THREADS=1 build/bench/data_parallel [--steps N] [--batch-size B]
+//        [--threads T] [--world-sizes 1,2,4]
 #include <stagejit/distributed/data_parallel.hpp>
 #include <stagejit/stagejit.hpp>
 
@@ -41,6 +42,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Config {
   int steps = 200, warmup = 10;
+  int threads = 1;  // ATen intra-op threads per rank
   int64_t batch = 128;
   std::vector<int> world_sizes = {1, 2, 4};
 };
@@ -58,6 +60,7 @@ const char* kModes[] = {"compiled", "eager"};
 // One rank: trains `steps` timed steps per mode and layout after `warmup` untimed ones;
 // rank 0 appends one line per (mode, layout) to `out`.
 int worker(const Config& c, const std::string& out_path) {
+  at::set_num_threads(c.threads);
   auto group = std::make_shared<dist::ProcessGroup>();
   const int rank = group->rank(), world = group->world_size();
   const int64_t shard = c.batch / world;
@@ -172,6 +175,8 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", c.warmup, "Untimed steps first")->capture_default_str();
   app.add_option("--batch-size", c.batch, "Global batch (split across the ranks)")->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--threads", c.threads, "ATen intra-op threads per rank")->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--world-sizes", sizes, "Comma-separated world sizes")->capture_default_str();
   if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
   c.world_sizes.clear();
@@ -188,8 +193,8 @@ int main(int argc, char** argv) {
   const unsigned cores = std::thread::hardware_concurrency();
   const char* blas = std::getenv("OPENBLAS_NUM_THREADS");
   std::printf("MLP 784-256-128-10, global batch %lld, %d timed steps (+%d warm-up) per row; %u cores; "
-              "ATen threads %d; OPENBLAS_NUM_THREADS=%s\n",
-              (long long)c.batch, c.steps, c.warmup, cores, at::get_num_threads(), blas ? blas : "(unset)");
+              "ATen threads per rank %d; OPENBLAS_NUM_THREADS=%s\n",
+              (long long)c.batch, c.steps, c.warmup, cores, c.threads, blas ? blas : "(unset)");
   const std::string out_path = (std::filesystem::temp_directory_path() /
                                 ("stagejit-dp-bench-" + std::to_string(getpid()) + ".txt")).string();
   std::printf("%5s %-9s %-8s %7s %9s %10s %14s %10s %9s %12s %12s\n", "ranks", "mode", "buckets", "n", "step ms",
