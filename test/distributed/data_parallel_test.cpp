@@ -88,7 +88,7 @@ struct Step {
 // step appends the parameters (float, in order) to `out` when open. With `dp`, the
 // gradients are averaged over the ranks before the optimiser step.
 void train(const std::string& mode, sj::variable_list& w, int64_t begin, int64_t rows,
-           dist::DataParallel* dp, std::ofstream* out, int exit_after = -1) {
+           dist::DataParallel* dp, std::ofstream* out, int exit_after = -1, int hang_after = -1) {
   Step step{mode};
   mlp::Sgd sgd{kLr, kMomentum, {}};
   mlp::Params p;
@@ -97,6 +97,10 @@ void train(const std::string& mode, sj::variable_list& w, int64_t begin, int64_t
     if (s == exit_after) {
       std::fflush(nullptr);
       _exit(0);  // a rank that leaves early, without any goodbye
+    }
+    if (s == hang_after) {
+      std::this_thread::sleep_for(std::chrono::seconds(30));  // alive, but never reaches the step
+      _exit(0);
     }
     auto [x, y] = batch(s);
     step.loss(x.narrow(0, begin, rows).contiguous(), y.narrow(0, begin, rows).contiguous(), w).backward();
@@ -139,7 +143,8 @@ int dp_worker() {
     dist::DataParallel dp(group, w, small_buckets());
     const int64_t rows = kBatch / group->world_size();
     std::ofstream out(std::getenv("DP_OUT"), std::ios::binary);
-    train(std::getenv("DP_MODE"), w, group->rank() * rows, rows, &dp, &out, env_int("DP_EXIT_AFTER", -1));
+    train(std::getenv("DP_MODE"), w, group->rank() * rows, rows, &dp, &out, env_int("DP_EXIT_AFTER", -1),
+          env_int("DP_HANG_AFTER", -1));
     const auto totals = dp.totals();
     // Every bucket of every step was started by the hooks, during the backward.
     const int expected = kSteps * static_cast<int>(dp.bucket_indices().size());
@@ -334,6 +339,26 @@ TEST_SUITE("distributed") {
     CHECK(err.find("rank 0 of 2") != std::string::npos);
     CHECK(err.find("tcp://127.0.0.1:" + std::to_string(port)) != std::string::npos);
     CHECK(err.find("timeout 3 s") != std::string::npos);
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("a rank that hangs makes the other fail after the timeout, not hang") {
+    const fs::path dir = fresh_dir("hang");
+    const int port = free_port();
+    const int timeout_ms = 2000;
+    std::vector<Child> kids;
+    for (int r = 0; r < 2; ++r)
+      kids.push_back(spawn_worker(r, 2, port, dir,
+                                  {"DP_MODE=eager", "DP_TIMEOUT_MS=" + std::to_string(timeout_ms),
+                                   r == 1 ? "DP_HANG_AFTER=1" : "DP_HANG_AFTER=-1"}));
+    const int status0 = wait_until(kids[0], Clock::now() + std::chrono::seconds(25));
+    kill(kids[1].pid, SIGKILL);
+    wait_until(kids[1], Clock::now() + std::chrono::seconds(5));
+    const std::string err = read_text(kids[0].err);
+    INFO("rank 0 stderr: ", err);
+    CHECK(status0 == 3);  // an error within the timeout (plus set-up), not a hang (-1)
+    CHECK(err.find("no rank was lost") != std::string::npos);
+    CHECK(err.find("timeout 2 s") != std::string::npos);
     fs::remove_all(dir);
   }
 
