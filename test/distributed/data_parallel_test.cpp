@@ -212,6 +212,19 @@ Child spawn_worker(int rank, int world, int port, const fs::path& dir, std::vect
   return c;
 }
 
+// Ranks 0 and 1 training in `mode` with the given timeout; `rank1_env` (e.g.
+// "DP_EXIT_AFTER=2") for rank 1 only.
+std::vector<Child> spawn_pair(const fs::path& dir, int port, const std::string& mode, int timeout_ms,
+                              const std::string& rank1_env) {
+  std::vector<Child> kids;
+  for (int r = 0; r < 2; ++r) {
+    std::vector<std::string> env{"DP_MODE=" + mode, "DP_TIMEOUT_MS=" + std::to_string(timeout_ms)};
+    if (r == 1) env.push_back(rank1_env);
+    kids.push_back(spawn_worker(r, 2, port, dir, env));
+  }
+  return kids;
+}
+
 // Waits for `c` until `deadline`; kills it past that (a hang) and returns -1.
 int wait_until(const Child& c, Clock::time_point deadline) {
   int status = 0;
@@ -321,11 +334,7 @@ TEST_SUITE("distributed") {
     const fs::path dir = fresh_dir("lost");
     const int port = free_port();
     const int timeout_ms = 3000;
-    std::vector<Child> kids;
-    for (int r = 0; r < 2; ++r)
-      kids.push_back(spawn_worker(r, 2, port, dir,
-                                  {"DP_MODE=compiled", "DP_TIMEOUT_MS=" + std::to_string(timeout_ms),
-                                   r == 1 ? "DP_EXIT_AFTER=2" : "DP_EXIT_AFTER=-1"}));
+    std::vector<Child> kids = spawn_pair(dir, port, "compiled", timeout_ms, "DP_EXIT_AFTER=2");
     const auto start = Clock::now();
     const int status1 = wait_until(kids[1], start + std::chrono::seconds(60));
     CHECK(status1 == 0);
@@ -344,13 +353,8 @@ TEST_SUITE("distributed") {
 
   TEST_CASE("a rank that hangs makes the other fail after the timeout, not hang") {
     const fs::path dir = fresh_dir("hang");
-    const int port = free_port();
     const int timeout_ms = 2000;
-    std::vector<Child> kids;
-    for (int r = 0; r < 2; ++r)
-      kids.push_back(spawn_worker(r, 2, port, dir,
-                                  {"DP_MODE=eager", "DP_TIMEOUT_MS=" + std::to_string(timeout_ms),
-                                   r == 1 ? "DP_HANG_AFTER=1" : "DP_HANG_AFTER=-1"}));
+    std::vector<Child> kids = spawn_pair(dir, free_port(), "eager", timeout_ms, "DP_HANG_AFTER=1");
     const int status0 = wait_until(kids[0], Clock::now() + std::chrono::seconds(25));
     kill(kids[1].pid, SIGKILL);
     wait_until(kids[1], Clock::now() + std::chrono::seconds(5));
