@@ -3,9 +3,19 @@
 // stagejit::compile(), stagejit's eager autograd (--eager) or libtorch's autograd
 // (--libtorch), from the same initial weights and the same batches (issue 7).
 //
+// With --world-size N (or torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, as
+// scripts/launch sets them) it trains data-parallel on c10d Gloo (issue 16): every rank
+// takes its shard of each global batch, the gradients are averaged by
+// stagejit::distributed::DataParallel while the backward runs, and rank 0 prints.
+//
 // Data: the gzipped IDX files of Debian's `dataset-fashion-mnist` package.
 
 #include <stagejit/stagejit.hpp>
+#if defined(STAGEJIT_HAVE_DISTRIBUTED)
+#include <stagejit/distributed/data_parallel.hpp>
+#endif
+
+#include "mlp.hpp"
 
 #include <CLI/CLI.hpp>
 #include <zlib.h>
@@ -127,32 +137,11 @@ Split load_split(const std::string& dir, const std::string& prefix) {
 
 // ------------------------------------------------------------------ the model
 
-/// W1, b1, W2, b2, W3, b3 as at::Tensors (float).
-using Params = std::vector<at::Tensor>;
-
-/// nn.Linear's default initialisation: kaiming_uniform_(a = sqrt(5)) on the weight, which
-/// is U(-1/sqrt(fan_in), 1/sqrt(fan_in)), and the same bound for the bias.
-Params init_params(uint64_t seed) {
-  at::manual_seed(seed);
-  const int64_t sizes[][2] = {{256, 784}, {128, 256}, {10, 128}};
-  Params p;
-  for (auto [out, in] : sizes) {
-    const double bound = 1.0 / std::sqrt(double(in));
-    p.push_back((at::rand({out, in}, at::kFloat) * 2 - 1) * bound);
-    p.push_back((at::rand({out}, at::kFloat) * 2 - 1) * bound);
-  }
-  return p;
-}
-
-/// The training step traced by compile(): in = {x [B,784] float, target [B] int64, W1, b1,
-/// W2, b2, W3, b3}; returns {mean cross-entropy loss}.
-sj::variable_list step_fn(const sj::variable_list& in) {
-  auto t = [](const sj::Variable& v) { return sj::t(v); };
-  sj::Variable h1 = sj::relu(sj::addmm(in[3], in[0], t(in[2])));
-  sj::Variable h2 = sj::relu(sj::addmm(in[5], h1, t(in[4])));
-  sj::Variable logits = sj::addmm(in[7], h2, t(in[6]));
-  return {sj::cross_entropy(logits, in[1])};
-}
+// The MLP, its initialisation, the step and SGD: examples/mlp.hpp.
+using mlp::Params;
+using mlp::Sgd;
+using mlp::init_params;
+using mlp::step_fn;
 
 at::Tensor torch_loss(const std::vector<at::Tensor>& in) {
   auto h1 = at::relu(at::addmm(in[3], in[0], in[2].t()));
@@ -219,24 +208,42 @@ class Stepper {
 
   sj::CompiledFunction::Stats stats() const { return compiled_.stats(); }
 
+  /// The data-parallel step: this rank's loss on its shard, `backward()` into the
+  /// parameters' grads, whose buckets DataParallel all-reduces while the backward runs,
+  /// then `finish()`; `grads` receives the averaged gradients.
+  template <class DataParallel>
+  double step_data_parallel(const at::Tensor& x, const at::Tensor& y, const sj::variable_list& leaves,
+                            DataParallel& dp, Params& grads) {
+    sj::variable_list in = {sj::Variable(x), sj::Variable(y)};
+    in.insert(in.end(), leaves.begin(), leaves.end());
+    sj::Variable loss = (mode_ == Mode::Compiled ? compiled_(in) : step_fn(in))[0];
+    loss.backward();
+    dp.finish();
+    grads.clear();
+    for (const auto& v : leaves) {
+      grads.push_back(v.grad().data());
+      v.set_grad(sj::Variable());
+    }
+    return loss.data().item<double>();
+  }
+
  private:
   Mode mode_;
   sj::CompiledFunction compiled_;
 };
 
-/// SGD with momentum as torch.optim.SGD does it (dampening 0, no Nesterov, no weight decay):
-/// buf = momentum * buf + g (buf = g on the first step); p -= lr * buf.
-struct Sgd {
-  double lr, momentum;
-  Params bufs;
-  void apply(Params& p, const Params& g) {
-    at::NoGradGuard no_grad;
-    if (bufs.empty())
-      for (const auto& t : g) bufs.push_back(t.clone());
-    else
-      for (std::size_t i = 0; i < g.size(); ++i) bufs[i].mul_(momentum).add_(g[i]);
-    for (std::size_t i = 0; i < p.size(); ++i) p[i].sub_(bufs[i], lr);
-  }
+#if defined(STAGEJIT_HAVE_DISTRIBUTED)
+namespace dist = sj::distributed;
+#endif
+
+/// The data-parallel side of a run (--world-size > 1): the process group and, per
+/// trainer, the DataParallel over its parameters.
+struct Distributed {
+  int rank = 0, world_size = 1;
+#if defined(STAGEJIT_HAVE_DISTRIBUTED)
+  std::shared_ptr<dist::ProcessGroup> group;
+#endif
+  bool active() const { return world_size > 1; }
 };
 
 // ------------------------------------------------------------------ training loop
@@ -256,6 +263,10 @@ struct Options {
   bool eager = false, libtorch = false, compare = false;
   int check_gradients = 0;
   bool skip_missing = false;
+  int world_size = 0;   // 0: WORLD_SIZE, else 1
+  int rank = -1;        // -1: RANK, else 0
+  double timeout = 30;  // seconds, for the process group
+  double bucket_cap_mb = 25, first_bucket_cap_mb = 1;
 };
 
 struct EpochResult {
@@ -266,6 +277,10 @@ struct EpochResult {
 struct RunResult {
   Mode mode;
   std::vector<EpochResult> epochs;
+  // Data-parallel runs: per-step means over the run (seconds) and buckets per step.
+  int64_t dp_steps = 0;
+  double dp_backward = 0, dp_comm = 0, dp_hidden = 0, dp_wait = 0;
+  std::size_t dp_buckets = 0;
 };
 
 std::string fmt_duration(double s) {
@@ -294,31 +309,51 @@ void progress_bar(const char* mode, int epoch, int epochs, int64_t done, int64_t
 class Trainer {
  public:
   Trainer(Mode mode, const Options& o, const Params& init, const Split& train_set,
-          const Split& test_set)
+          const Split& test_set, const Distributed& d)
       : mode_(mode), o_(o), train_(train_set), test_(test_set), sgd_{o.lr, o.momentum, {}},
-        stepper_(mode), rng_(o.seed), result_{mode, {}} {
+        stepper_(mode), rng_(o.seed), result_{mode, {}}, d_(d) {
     for (const auto& t : init) p_.push_back(t.clone());
     // The last partial batch of each epoch is dropped (as DataLoader(drop_last=True)):
     // every step then has one shape, so compile() traces once.
     steps_ = train_.images.size(0) / o.batch_size;
     order_.resize(static_cast<std::size_t>(train_.images.size(0)));
-    x_ = at::empty({o.batch_size, train_.images.size(1)}, train_.images.options());
-    y_ = at::empty({o.batch_size}, train_.labels.options());
+    // Data-parallel: this rank's shard of every global batch (the same shuffle on every
+    // rank: the order depends only on the seed).
+    shard_ = o.batch_size / d.world_size;
+    x_ = at::empty({shard_, train_.images.size(1)}, train_.images.options());
+    y_ = at::empty({shard_}, train_.labels.options());
+#if defined(STAGEJIT_HAVE_DISTRIBUTED)
+    if (d.active()) {
+      for (const auto& t : p_) leaves_.emplace_back(t, /*requires_grad=*/true);  // share p_'s storage
+      dist::DataParallelOptions dpo;
+      dpo.bucket_cap_mb = o.bucket_cap_mb;
+      dpo.first_bucket_cap_mb = o.first_bucket_cap_mb;
+      dp_ = std::make_unique<dist::DataParallel>(d.group, leaves_, dpo);
+    }
+#endif
   }
+
+  bool printer() const { return d_.rank == 0; }
 
   /// Untimed steps on a scratch copy of the weights: one-time costs (the trace and kernel
   /// compile of the compiled step, first-touch memory) stay out of images/s, and the
   /// weights and optimizer state are untouched.
   void warmup() {
-    std::printf("[%s] %lld steps of %lld images per epoch\n", mode_name(mode_), (long long)steps_,
-                (long long)o_.batch_size);
+    if (printer())
+      std::printf("[%s] %lld steps of %lld images per epoch%s\n", mode_name(mode_), (long long)steps_,
+                  (long long)o_.batch_size,
+                  d_.active() ? (" (" + std::to_string(d_.world_size) + " ranks x " + std::to_string(shard_) + ")").c_str()
+                              : "");
     if (o_.warmup <= 0 || steps_ <= 0) return;
+    // Local steps only (on scratch leaves, no DataParallel hooks): every rank pays its own
+    // trace and compile here.
     Params scratch, scratch_grads;
     for (const auto& t : p_) scratch.push_back(t.clone());
-    auto x = train_.images.narrow(0, 0, o_.batch_size).clone();
-    auto y = train_.labels.narrow(0, 0, o_.batch_size).clone();
+    auto x = train_.images.narrow(0, 0, shard_).clone();
+    auto y = train_.labels.narrow(0, 0, shard_).clone();
     auto w0 = std::chrono::steady_clock::now();
     for (int i = 0; i < o_.warmup; ++i) stepper_.step(x, y, scratch, scratch_grads);
+    if (!printer()) return;
     std::printf("[%s] %d warm-up step(s): %.0f ms%s\n", mode_name(mode_), o_.warmup,
                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - w0).count(),
                 mode_ == Mode::Compiled ? " (includes the trace and compile)" : "");
@@ -327,7 +362,7 @@ class Trainer {
   /// Trains one epoch (the next one) and evaluates on the test set.
   void epoch() {
     const int epoch = static_cast<int>(result_.epochs.size()) + 1;
-    const bool tty = isatty(1);
+    const bool tty = isatty(1) && printer();
     const int64_t n = train_.images.size(0);
     std::iota(order_.begin(), order_.end(), 0);
     std::shuffle(order_.begin(), order_.end(), rng_);
@@ -337,12 +372,12 @@ class Trainer {
     auto t0 = std::chrono::steady_clock::now();
     auto last_draw = t0;
     for (int64_t s = 0; s < steps_; ++s) {
-      auto idx = perm.narrow(0, s * o_.batch_size, o_.batch_size);
+      auto idx = perm.narrow(0, s * o_.batch_size + d_.rank * shard_, shard_);
       // Gathered into the same two buffers every step (all modes), as a data loader with
       // reused batch memory does: no fresh 400 KB allocation per step.
       at::index_select_out(x_, train_.images, 0, idx);
       at::index_select_out(y_, train_.labels, 0, idx);
-      double loss = stepper_.step(x_, y_, p_, grads);
+      double loss = step(grads);
       if (!std::isfinite(loss))
         throw std::runtime_error("training diverged: loss " + std::to_string(loss) +
                                  " at epoch " + std::to_string(epoch) + " step " +
@@ -361,18 +396,32 @@ class Trainer {
     }
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (tty) std::printf("\n");
-    EpochResult r{epoch, loss_sum / double(std::max<int64_t>(steps_, 1)), test_accuracy(p_, test_),
-                  double(steps_ * o_.batch_size) / secs, secs};
+    // Data-parallel: the train loss is rank 0's shard's; every rank holds the same
+    // weights, so rank 0 alone measures the test accuracy.
+    EpochResult r{epoch, loss_sum / double(std::max<int64_t>(steps_, 1)),
+                  printer() ? test_accuracy(p_, test_) : 0.0, double(steps_ * o_.batch_size) / secs, secs};
+    result_.epochs.push_back(r);
+    if (!printer()) return;
     std::printf("[%s] epoch %d/%d  train loss %.4f  test accuracy %.2f%%  %.0f images/s  %.2fs\n",
                 mode_name(mode_), epoch, o_.epochs, r.train_loss, 100 * r.test_accuracy,
                 r.images_per_s, r.seconds);
     std::fflush(stdout);
-    result_.epochs.push_back(r);
   }
 
   /// The epochs so far (and, for the compiled step, its compile-cache counts printed).
-  RunResult finish() const {
-    if (mode_ == Mode::Compiled) {
+  RunResult finish() {
+#if defined(STAGEJIT_HAVE_DISTRIBUTED)
+    if (dp_) {
+      const auto t = dp_->totals();
+      result_.dp_steps = dp_->steps();
+      result_.dp_backward = t.backward_seconds;
+      result_.dp_comm = t.comm_seconds;
+      result_.dp_hidden = t.hidden_seconds;
+      result_.dp_wait = t.wait_seconds;
+      result_.dp_buckets = dp_->bucket_indices().size();
+    }
+#endif
+    if (mode_ == Mode::Compiled && printer()) {
       auto st = stepper_.stats();
       std::printf("[compiled] compile cache: %zu miss(es), %zu hit(s)\n", st.misses, st.hits);
     }
@@ -389,9 +438,21 @@ class Trainer {
   Stepper stepper_;
   std::mt19937_64 rng_;
   RunResult result_;
-  int64_t steps_ = 0;
+  const Distributed& d_;
+  int64_t steps_ = 0, shard_ = 0;
   std::vector<int64_t> order_;
   at::Tensor x_, y_;
+  sj::variable_list leaves_;
+#if defined(STAGEJIT_HAVE_DISTRIBUTED)
+  std::unique_ptr<dist::DataParallel> dp_;
+#endif
+
+  double step(Params& grads) {
+#if defined(STAGEJIT_HAVE_DISTRIBUTED)
+    if (dp_) return stepper_.step_data_parallel(x_, y_, leaves_, *dp_, grads);
+#endif
+    return stepper_.step(x_, y_, p_, grads);
+  }
 };
 
 /// Trains every mode of `modes` for `o.epochs` epochs. With several modes the epochs are
@@ -399,10 +460,11 @@ class Trainer {
 /// every epoch), so a machine that gets faster or slower during the run (frequency,
 /// other load) shifts every mode alike instead of whichever mode ran last.
 std::vector<RunResult> train_all(const std::vector<Mode>& modes, const Options& o,
-                                 const Params& init, const Split& train_set, const Split& test_set) {
+                                 const Params& init, const Split& train_set, const Split& test_set,
+                                 const Distributed& d) {
   std::vector<std::unique_ptr<Trainer>> trainers;
   for (Mode m : modes) {
-    trainers.push_back(std::make_unique<Trainer>(m, o, init, train_set, test_set));
+    trainers.push_back(std::make_unique<Trainer>(m, o, init, train_set, test_set, d));
     trainers.back()->warmup();
   }
   for (int epoch = 0; epoch < o.epochs; ++epoch)
@@ -434,6 +496,16 @@ void print_summary(const std::vector<RunResult>& runs) {
     for (const auto& e : run.epochs)
       std::printf("%-10s %5d %11.4f %13.2f%% %12.0f %9.2f\n", mode_name(run.mode), e.epoch,
                   e.train_loss, 100 * e.test_accuracy, e.images_per_s, e.seconds);
+  for (const auto& run : runs) {
+    if (run.dp_steps == 0) continue;
+    // Data-parallel: per-step means on rank 0 (Note [Gradient buckets] and DataParallelStepStats).
+    const double n = double(run.dp_steps), comm = run.dp_comm / n;
+    std::printf("\n%-10s %9s %13s %13s %12s %13s %8s\n", "mode", "buckets", "backward ms", "all-reduce ms",
+                "hidden ms", "finish() ms", "overlap");
+    std::printf("%-10s %9zu %13.3f %13.3f %12.3f %13.3f %7.0f%%\n", mode_name(run.mode), run.dp_buckets,
+                1e3 * run.dp_backward / n, 1e3 * comm, 1e3 * run.dp_hidden / n, 1e3 * run.dp_wait / n,
+                comm > 0 ? 100 * run.dp_hidden / run.dp_comm : 0.0);
+  }
   if (runs.size() > 1) {
     // Throughput over all epochs (total images / total seconds), relative to libtorch.
     double base = 0;
@@ -538,7 +610,54 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--skip-if-missing", o.skip_missing,
                "Exit 77 (a skipped test for Meson) instead of 1 when the data cannot be read");
+  app.add_option("--world-size", o.world_size,
+                 "Data-parallel processes (c10d Gloo; default WORLD_SIZE, else 1): each trains on "
+                 "its shard of every --batch-size batch; start them with scripts/launch -n N")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--rank", o.rank, "This process's rank in [0, world size) (default RANK, else 0)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--timeout", o.timeout, "Seconds to wait for a peer (rendezvous, each all-reduce)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "Data-parallel gradient bucket cap (MiB, DDP's)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--first-bucket-cap-mb", o.first_bucket_cap_mb, "Cap of the first bucket (MiB)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
+
+  Distributed dist_run;
+  {
+    const char* ws = std::getenv("WORLD_SIZE");
+    const char* rk = std::getenv("RANK");
+    dist_run.world_size = o.world_size > 0 ? o.world_size : (ws && *ws ? std::atoi(ws) : 1);
+    dist_run.rank = o.rank >= 0 ? o.rank : (rk && *rk ? std::atoi(rk) : 0);
+  }
+  if (dist_run.active()) {
+#if defined(STAGEJIT_HAVE_DISTRIBUTED)
+    if (o.libtorch || o.compare || o.print_graph || o.check_gradients > 0) {
+      std::fprintf(stderr, "error: --world-size > 1 trains the compiled or --eager step only\n");
+      return 2;
+    }
+    if (o.batch_size % dist_run.world_size != 0) {
+      std::fprintf(stderr, "error: --batch-size %lld is not a multiple of the world size %d\n",
+                   (long long)o.batch_size, dist_run.world_size);
+      return 2;
+    }
+    try {
+      dist::ProcessGroupOptions po;
+      po.rank = dist_run.rank;
+      po.world_size = dist_run.world_size;
+      po.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout * 1000));
+      dist_run.group = std::make_shared<dist::ProcessGroup>(po);
+    } catch (const sj::Error& e) {
+      std::fprintf(stderr, "stagejit error: %s\n", e.what());
+      return 2;
+    }
+#else
+    std::fprintf(stderr, "error: --world-size %d: this build has no distributed support (c10d Gloo "
+                 "headers, libgloo-dev, were not found when it was configured)\n", dist_run.world_size);
+    return 2;
+#endif
+  }
 
   if (o.threads > 0) at::set_num_threads(o.threads);
 
@@ -575,11 +694,15 @@ int main(int argc, char** argv) {
     }
     if (o.check_gradients > 0) return check_gradients(o, init, train_set) ? 0 : 1;
 
-    std::printf("Fashion-MNIST: %lld training, %lld test images; MLP 784-256-128-10; "
-                "SGD lr %g momentum %g; batch %lld; %d ATen thread(s); seed %llu\n",
-                (long long)train_set.images.size(0), (long long)test_set.images.size(0), o.lr,
-                o.momentum, (long long)o.batch_size, at::get_num_threads(),
-                (unsigned long long)o.seed);
+    if (dist_run.rank == 0)
+      std::printf("Fashion-MNIST: %lld training, %lld test images; MLP 784-256-128-10; "
+                  "SGD lr %g momentum %g; batch %lld; %d ATen thread(s); seed %llu%s\n",
+                  (long long)train_set.images.size(0), (long long)test_set.images.size(0), o.lr,
+                  o.momentum, (long long)o.batch_size, at::get_num_threads(),
+                  (unsigned long long)o.seed,
+                  dist_run.active() ? ("; data-parallel over " + std::to_string(dist_run.world_size) +
+                                       " ranks (c10d Gloo)").c_str()
+                                    : "");
     std::vector<Mode> modes;
     if (o.compare)
       modes = {Mode::Compiled, Mode::Eager, Mode::Libtorch};
@@ -588,9 +711,11 @@ int main(int argc, char** argv) {
     // Touch every training image once, so the first mode does not pay the first-touch
     // page faults of the 188 MB dataset inside its timed epoch.
     if (o.warmup > 0) (void)train_set.images.sum().item<double>();
-    std::vector<RunResult> runs = train_all(modes, o, init, train_set, test_set);
-    print_summary(runs);
-    if (!o.metrics.empty()) write_metrics(o.metrics, runs);
+    std::vector<RunResult> runs = train_all(modes, o, init, train_set, test_set, dist_run);
+    if (dist_run.rank == 0) {
+      print_summary(runs);
+      if (!o.metrics.empty()) write_metrics(o.metrics, runs);
+    }
   } catch (const sj::Error& e) {
     std::fprintf(stderr, "stagejit error: %s\n", e.what());
     return 2;

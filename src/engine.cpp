@@ -52,6 +52,7 @@ struct Node {
   bool captured = false;
   std::vector<Contribution> buffer;
   variable_list inputs;  // summed buffer, filled when the node becomes ready
+  std::vector<char> emitted;  // outputs already delivered early (Note [Early outputs])
 };
 
 struct GraphTask {
@@ -133,19 +134,28 @@ class Pool {
   uint64_t generation_ = 0;
 };
 
-// Delivers `outputs` (from producer with key base `producer`) along `edges`; appends the
-// node indices that became ready to `ready` (in edge order). Caller holds task.mutex.
+// Delivers output `i` of producer `producer` (key base) along edge `e`; appends the node
+// index that became ready to `ready`. Caller holds task.mutex.
+void deliver_one(GraphTask& task, uint64_t producer, std::size_t i, const Edge& e, Variable value,
+                 std::vector<uint32_t>& ready) {
+  if (!e.is_valid()) return;
+  auto it = task.index.find(e.function.get());
+  if (it == task.index.end()) return;
+  Node& node = task.nodes[it->second];
+  if (!node.needed && !node.captured) return;
+  node.buffer.push_back({(producer << 32) | i, e.input_nr, std::move(value)});
+  if (--node.deps == 0) ready.push_back(it->second);
+}
+
+// Delivers `outputs` (from producer with key base `producer`) along `edges`, except the
+// positions marked in `emitted` (delivered early); appends the node indices that became
+// ready to `ready` (in edge order). Caller holds task.mutex.
 void deliver(GraphTask& task, uint64_t producer, const std::vector<Edge>& edges,
-             variable_list& outputs, std::vector<uint32_t>& ready) {
+             variable_list& outputs, std::vector<uint32_t>& ready,
+             const std::vector<char>& emitted = {}) {
   for (std::size_t i = 0; i < edges.size(); ++i) {
-    const Edge& e = edges[i];
-    if (!e.is_valid()) continue;
-    auto it = task.index.find(e.function.get());
-    if (it == task.index.end()) continue;
-    Node& node = task.nodes[it->second];
-    if (!node.needed && !node.captured) continue;
-    node.buffer.push_back({(producer << 32) | i, e.input_nr, std::move(outputs[i])});
-    if (--node.deps == 0) ready.push_back(it->second);
+    if (i < emitted.size() && emitted[i]) continue;
+    deliver_one(task, producer, i, edges[i], std::move(outputs[i]), ready);
   }
 }
 
@@ -181,12 +191,15 @@ void gather(GraphTask& task, uint32_t idx) {
 struct Applying {
   const GraphTask* task = nullptr;
   const Function* fn = nullptr;
+  const std::shared_ptr<GraphTask>* task_ptr = nullptr;  // for early_output_sink
+  uint32_t idx = 0;                                      // fn's node in the task
 };
 thread_local Applying tl_applying;
 
 struct ApplyingGuard {
-  ApplyingGuard(const GraphTask& task, const Function& fn) : saved(tl_applying) {
-    tl_applying = {&task, &fn};
+  ApplyingGuard(const std::shared_ptr<GraphTask>& task, uint32_t idx, const Function& fn)
+      : saved(tl_applying) {
+    tl_applying = {task.get(), &fn, &task, idx};
   }
   ~ApplyingGuard() { tl_applying = saved; }
   Applying saved;
@@ -206,9 +219,11 @@ bool output_needed(const GraphTask& task, const Function& fn, std::size_t i) {
   return t.needed || t.captured;
 }
 
-variable_list call_function(GraphTask& task, Function& fn, variable_list inputs) {
+variable_list call_function(const std::shared_ptr<GraphTask>& task_ptr, uint32_t idx, Function& fn,
+                            variable_list inputs) {
+  GraphTask& task = *task_ptr;
   const std::size_t n = fn.next_functions.size();
-  ApplyingGuard applying(task, fn);
+  ApplyingGuard applying(task_ptr, idx, fn);
   memory::HostCacheScope host_cache(task.cache_host_memory);
   const ExecuteCallbacks* cbs = task.callbacks;
   if (cbs && !cbs->pre.empty()) {
@@ -273,7 +288,7 @@ void process(const std::shared_ptr<GraphTask>& task_ptr, uint32_t start) {
     variable_list outputs;
     if (!failed) {
       try {
-        outputs = call_function(task, *node.fn, std::move(node.inputs));
+        outputs = call_function(task_ptr, idx, *node.fn, std::move(node.inputs));
       } catch (...) {
         record_error(task, *node.fn);
         failed = true;
@@ -283,7 +298,8 @@ void process(const std::shared_ptr<GraphTask>& task_ptr, uint32_t start) {
     ready.clear();
     if (!failed) {
       std::lock_guard<std::mutex> lock(task.mutex);
-      if (!task.error) deliver(task, uint64_t{idx} + 1, node.fn->next_functions, outputs, ready);
+      if (!task.error)
+        deliver(task, uint64_t{idx} + 1, node.fn->next_functions, outputs, ready, node.emitted);
     }
     outputs.clear();
     std::vector<uint32_t> to_run = gather_ready(task, ready);
@@ -359,7 +375,8 @@ template <class E, class... Es>
 }
 
 [[noreturn]] void rethrow_with_name(const GraphTask& task) {
-  rethrow_prefixed<ShapeError, DtypeError, TraceError, CompileError, FusionError, IrError>(
+  rethrow_prefixed<ShapeError, DtypeError, TraceError, CompileError, FusionError, IrError,
+                   DistributedError>(
       task.error, "Function '" + task.error_fn + "'" +
                       (task.error_origin.empty() ? "" : " (node " + task.error_origin + ")") + ": ");
 }
@@ -494,6 +511,37 @@ bool should_compute_output(std::size_t i) noexcept {
 bool should_compute_output(const Function& self, std::size_t i) noexcept {
   const Applying a = tl_applying;
   return a.fn != &self || output_needed(*a.task, self, i);
+}
+OutputSink early_output_sink(const Function& self) {
+  const Applying a = tl_applying;
+  if (a.fn != &self || !a.task_ptr) return {};
+  return [task_ptr = *a.task_ptr, idx = a.idx](std::size_t i, Variable value) {
+    GraphTask& task = *task_ptr;
+    std::vector<uint32_t> ready;
+    {
+      std::lock_guard<std::mutex> lock(task.mutex);
+      if (task.error || task.nodes.empty()) return;
+      Node& node = task.nodes[idx];
+      const auto& edges = node.fn->next_functions;
+      STAGEJIT_CHECK(i < edges.size(), "Function '", node.fn->name(), "': early output ", i,
+                     " of ", edges.size());
+      if (node.emitted.empty()) node.emitted.assign(edges.size(), 0);
+      STAGEJIT_CHECK(!node.emitted[i], "Function '", node.fn->name(), "': output ", i,
+                     " delivered early twice");
+      node.emitted[i] = 1;
+      deliver_one(task, uint64_t{idx} + 1, i, edges[i], std::move(value), ready);
+    }
+    std::vector<uint32_t> to_run = gather_ready(task, ready);
+    {
+      std::lock_guard<std::mutex> lock(task.mutex);
+      if (task.error) to_run.clear();
+      for (uint32_t r : to_run) task.queue.push_back(r);
+      task.outstanding += static_cast<int>(to_run.size());
+    }
+    if (to_run.empty()) return;
+    task.cv.notify_all();
+    if (!task.single_threaded) Pool::get().announce(task_ptr, to_run.size());
+  };
 }
 int num_threads() noexcept { return Pool::get().num_threads(); }
 void set_num_threads(int n) { Pool::get().set_num_threads(n); }

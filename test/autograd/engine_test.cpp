@@ -10,12 +10,7 @@ namespace {
 
 using VL = sj::variable_list;
 
-// Restores the engine's thread count at scope exit.
-struct ThreadCount {
-  int saved = sj::engine::num_threads();
-  explicit ThreadCount(int n) { sj::engine::set_num_threads(n); }
-  ~ThreadCount() { sj::engine::set_num_threads(saved); }
-};
+using oracle::ThreadCount;
 
 // A Function made of a callable, for engine tests.
 std::shared_ptr<sj::Function> lambda_fn(std::string name, std::function<VL(const VL&)> f,

@@ -12,6 +12,13 @@ namespace sj = stagejit;
 
 namespace oracle {
 
+/// Sets the engine's thread count for a scope and restores it at scope exit.
+struct ThreadCount {
+  int saved = sj::engine::num_threads();
+  explicit ThreadCount(int n) { sj::engine::set_num_threads(n); }
+  ~ThreadCount() { sj::engine::set_num_threads(saved); }
+};
+
 using SjFn = std::function<sj::variable_list(const sj::variable_list&)>;
 using TorchFn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
 

@@ -131,6 +131,30 @@ STAGEJIT_FUNC void Variable::set_grad(const Variable& grad) const {
   impl_->grad = grad.impl();
 }
 
+STAGEJIT_FUNC uint64_t Variable::register_post_accumulate_grad_hook(PostAccumulateGradHook hook) const {
+  STAGEJIT_CHECK(impl_, "register_post_accumulate_grad_hook on an undefined Variable");
+  STAGEJIT_CHECK(is_leaf(), "register_post_accumulate_grad_hook: only leaves accumulate "
+                 "gradients (this Variable has grad_fn '", impl_->grad_fn->name(), "')");
+  STAGEJIT_CHECK(impl_->requires_grad, "register_post_accumulate_grad_hook: the leaf does not "
+                 "require grad (no gradient is ever accumulated into it)");
+  STAGEJIT_CHECK(hook, "register_post_accumulate_grad_hook: empty hook");
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  const uint64_t handle = impl_->next_hook_handle++;
+  impl_->post_accumulate_hooks.emplace_back(
+      handle, std::make_shared<const PostAccumulateGradHook>(std::move(hook)));
+  return handle;
+}
+
+STAGEJIT_FUNC bool Variable::remove_post_accumulate_grad_hook(uint64_t handle) const {
+  if (!impl_) return false;
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  auto& hooks = impl_->post_accumulate_hooks;
+  auto it = std::find_if(hooks.begin(), hooks.end(), [&](const auto& h) { return h.first == handle; });
+  if (it == hooks.end()) return false;
+  hooks.erase(it);
+  return true;
+}
+
 STAGEJIT_FUNC void Variable::backward(const Variable& grad_output, bool create_graph) const {
   stagejit::backward({*this}, {grad_output}, create_graph);
 }
@@ -181,6 +205,17 @@ namespace detail::autograd_impl {
 
 STAGEJIT_FUNC variable_list undefined_list(std::size_t n) { return variable_list(n); }
 
+// Note [Post-accumulate-grad hooks]
+// A leaf's AccumulateGrad adds the incoming gradient into `grad()` and then runs the
+// leaf's post-accumulate-grad hooks (Variable::register_post_accumulate_grad_hook), outside
+// the leaf's lock, on the engine thread that ran it. The engine runs an AccumulateGrad as
+// soon as every contribution to the leaf has arrived, and a compiled stage delivers each
+// of its outputs as soon as it is computed (Note [Early outputs] in autograd/engine.hpp),
+// so a hook learns that a parameter's gradient of this backward is final while the rest of
+// the backward still runs, whether eager or compiled. Data-parallel training uses it to
+// start a bucket's all-reduce (distributed/data_parallel.hpp), as PyTorch's DDP reducer
+// does from its own AccumulateGrad hooks. An undefined incoming gradient accumulates
+// nothing and runs no hook.
 STAGEJIT_FUNC void accumulate(detail::VariableImpl& var, const Variable& incoming) {
   if (!incoming.defined()) return;
   STAGEJIT_CHECK_AS(ShapeError, incoming.sizes() == var.data.sizes(),
@@ -188,17 +223,25 @@ STAGEJIT_FUNC void accumulate(detail::VariableImpl& var, const Variable& incomin
                     " for a leaf of shape ", shape_str(var.data.sizes()));
   Variable g = incoming;
   if (!GradMode::is_enabled()) g = g.detach();
-  std::lock_guard<std::mutex> lock(var.mutex);
-  if (!var.grad) {
-    var.grad = g.impl();
-    return;
+  std::vector<std::shared_ptr<const PostAccumulateGradHook>> hooks;
+  {
+    std::lock_guard<std::mutex> lock(var.mutex);
+    if (!var.grad) {
+      var.grad = g.impl();
+    } else {
+      Variable old = Variable::from_impl(var.grad);
+      if (GradMode::is_enabled()) {
+        var.grad = stagejit::add(old, g).impl();
+      } else {
+        var.grad = Variable(at::add(old.data(), g.data())).impl();
+      }
+    }
+    hooks.reserve(var.post_accumulate_hooks.size());
+    for (const auto& h : var.post_accumulate_hooks) hooks.push_back(h.second);
   }
-  Variable old = Variable::from_impl(var.grad);
-  if (GradMode::is_enabled()) {
-    var.grad = stagejit::add(old, g).impl();
-  } else {
-    var.grad = Variable(at::add(old.data(), g.data())).impl();
-  }
+  if (hooks.empty()) return;
+  const Variable leaf = Variable::from_impl(var.shared_from_this());
+  for (const auto& h : hooks) (*h)(leaf);
 }
 
 STAGEJIT_FUNC variable_list apply_op_backward(Function& self, OpBackward& ob, variable_list& grads) {
@@ -350,7 +393,7 @@ STAGEJIT_FUNC variable_list Function::apply(variable_list inputs) {
             std::vector<char> needed(next_functions.size());
             for (std::size_t i = 0; i < needed.size(); ++i)
               needed[i] = engine::should_compute_output(*this, i);
-            return c.impl->apply(std::move(inputs), needed);
+            return c.impl->apply(std::move(inputs), needed, engine::early_output_sink(*this));
           },
       },
       kind);
@@ -442,6 +485,14 @@ STAGEJIT_FUNC bool run_callback(const CallbackPolicy& policy, Function& fn, vari
             std::lock_guard<std::mutex> lock(state->mutex);
             state->outputs = inputs;
             return false;
+          },
+          [&](const EmitOutput& e) {
+            need_state("EmitOutput");
+            need_outputs("EmitOutput");
+            STAGEJIT_CHECK(e.output < outputs->size(), "EmitOutput: Function '", fn.name(),
+                           "' has no output ", e.output);
+            if (state->early_outputs) state->early_outputs(e.stage_output, (*outputs)[e.output]);
+            return true;
           },
           [&](const GenericCallback& g) { return g.fn ? g.fn(fn, inputs, outputs, state) : true; },
       },

@@ -26,6 +26,10 @@
 
 namespace stagejit {
 
+/// Receives output `output` of a Function before that Function returns (Note [Early
+/// outputs] in autograd/engine.hpp).
+using OutputSink = std::function<void(std::size_t output, Variable value)>;
+
 /// Per-call state the policies read and write (owned by the caller of `execute`).
 /// Policies lock `mutex`; slots grow on demand.
 struct CallState {
@@ -33,6 +37,9 @@ struct CallState {
   variable_list values;                               ///< value slots (CaptureInput/CaptureOutput)
   std::vector<std::shared_ptr<Function>> handles;     ///< Handle slots (CaptureHandle/RunHandle)
   variable_list outputs;                              ///< CaptureOutputs
+  /// EmitOutput: where a stage output goes as soon as it is computed (empty: nowhere;
+  /// it is only collected by CaptureOutputs). Called without `mutex` held.
+  OutputSink early_outputs;
 };
 
 /// pre: stores input `input` into `CallState::values[slot]`; stops the Function when
@@ -63,6 +70,11 @@ struct RunHandle {
 };
 /// pre: stores all inputs into `CallState::outputs`; stops the function (a stage's Output).
 struct CaptureOutputs {};
+/// post: passes output `output` (stage output `stage_output`, which only this output
+/// feeds) to `CallState::early_outputs` when that is set, so the stage's caller can
+/// deliver it before the stage ends (Note [Early outputs] in autograd/engine.hpp); it
+/// still reaches the Output as well. Continues.
+struct EmitOutput { std::size_t output = 0; std::size_t stage_output = 0; };
 /// Anything else (user code only). `outputs` is null for pre callbacks. Returns false to stop.
 struct GenericCallback {
   std::function<bool(Function& fn, variable_list& inputs, variable_list* outputs,
@@ -71,7 +83,7 @@ struct GenericCallback {
 
 using CallbackPolicy =
     std::variant<CaptureInput, CaptureOutput, CaptureHandle, RunHandle, CaptureOutputs,
-                 GenericCallback>;
+                 EmitOutput, GenericCallback>;
 
 /// The callback tables of an execution, keyed by Function. Built once, read-only while
 /// `execute` runs (any number of executions may share one).

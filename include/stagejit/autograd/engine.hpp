@@ -66,6 +66,28 @@ int num_threads() noexcept;
 /// Resizes the worker pool (n >= 1; 1 = calling thread only). Safe between executions;
 /// pending work of running tasks is still served by their callers.
 void set_num_threads(int n);
+
+// Note [Early outputs]
+// A Function normally hands all its outputs to the engine when it returns. A compiled
+// stage is one Function to the engine but computes its outputs one after another (the
+// gradient of the last layer long before the first's), so it may deliver output `i` as
+// soon as that value is final: `early_output_sink(self)` gives, while the engine applies
+// `self` on this thread, a sink that delivers output `i` along `self.next_functions[i]`
+// at once, exactly as the return would (same fan-in key, so sums keep their order:
+// Note [Deterministic fan-in] in src/engine.cpp). A successor that becomes ready is queued on
+// the task and announced to the worker pool, so it runs concurrently with the rest of
+// `self` (on the caller's thread after `self` returns when the task is single-threaded
+// or the pool has no workers). What the Function later returns at a delivered position
+// is ignored. Emitting one output twice throws `Error`. This is what lets a leaf's
+// AccumulateGrad, and its post-accumulate-grad hooks (autograd/variable.hpp), run while
+// the rest of a compiled backward still runs: data-parallel training
+// (distributed/data_parallel.hpp) starts a bucket's all-reduce there.
+
+/// While the engine applies `self` on this thread: a sink delivering output `i` of
+/// `self` before `self` returns (Note [Early outputs]); it stays valid, and may be called
+/// from any thread, until `self` returns. Otherwise (outside an engine call, or when
+/// another Function is being applied) an empty function.
+OutputSink early_output_sink(const Function& self);
 }  // namespace engine
 
 }  // namespace stagejit

@@ -9,6 +9,7 @@
 /// ConstantFactory, FusedKernel and ClosureFunction (type-erased closure).
 
 #include <stagejit/core/detail/bodies_begin.hpp>
+#include <stagejit/autograd/callbacks.hpp>
 #include <stagejit/autograd/saved_variable.hpp>
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/core/scalar.hpp>
@@ -108,6 +109,14 @@ class ClosureImpl {
   virtual variable_list apply(variable_list inputs, const std::vector<char>& needed) {
     (void)needed;
     return apply(std::move(inputs));
+  }
+  /// As above; `early` (empty unless the engine applies this closure) delivers an output
+  /// before `apply` returns (Note [Early outputs] in autograd/engine.hpp). By default
+  /// nothing is delivered early.
+  virtual variable_list apply(variable_list inputs, const std::vector<char>& needed,
+                              const OutputSink& early) {
+    (void)early;
+    return apply(std::move(inputs), needed);
   }
   virtual std::string_view name() const = 0;
 };

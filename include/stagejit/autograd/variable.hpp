@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -31,6 +32,10 @@ struct Edge {
   }
 };
 
+/// A hook run after a backward accumulated a gradient into a leaf (the leaf is passed;
+/// its `grad()` holds the new sum). See `Variable::register_post_accumulate_grad_hook`.
+using PostAccumulateGradHook = std::function<void(const Variable& leaf)>;
+
 namespace detail {
 /// The shared state of a Variable. Internal: use `Variable`.
 struct VariableImpl : std::enable_shared_from_this<VariableImpl> {
@@ -41,6 +46,10 @@ struct VariableImpl : std::enable_shared_from_this<VariableImpl> {
   std::mutex mutex;                       ///< guards grad and grad_accumulator
   std::shared_ptr<VariableImpl> grad;     ///< accumulated gradient (leaves)
   std::weak_ptr<Function> grad_accumulator;
+  /// Post-accumulate-grad hooks with their handles, in registration order (guarded by
+  /// `mutex`).
+  std::vector<std::pair<uint64_t, std::shared_ptr<const PostAccumulateGradHook>>> post_accumulate_hooks;
+  uint64_t next_hook_handle = 1;
 };
 }  // namespace detail
 
@@ -82,6 +91,18 @@ class Variable {
   Variable grad() const;
   /// Replaces the accumulated gradient (an undefined Variable clears it).
   void set_grad(const Variable& grad) const;
+  /// Registers `hook` to run each time a backward has accumulated a gradient into this
+  /// leaf's `grad()` (after the sum, on the engine thread that ran the leaf's
+  /// AccumulateGrad, possibly while the rest of the backward, a compiled stage included,
+  /// still runs: Note [Post-accumulate-grad hooks] in autograd/autograd-inl.hpp). Hooks run
+  /// in registration order; an exception from one fails the backward like an error of the
+  /// AccumulateGrad. Not run by `grad()` (which accumulates nothing). Follows libtorch's
+  /// `Tensor::register_post_accumulate_grad_hook`. Returns a handle for
+  /// `remove_post_accumulate_grad_hook`. Throws `Error` on an undefined Variable, a
+  /// non-leaf, a leaf that does not require grad or an empty hook.
+  uint64_t register_post_accumulate_grad_hook(PostAccumulateGradHook hook) const;
+  /// Removes the hook registered under `handle`; false when there is none (already removed).
+  bool remove_post_accumulate_grad_hook(uint64_t handle) const;
   /// Same as `stagejit::backward({*this}, {grad_output}, create_graph)`.
   void backward(const Variable& grad_output = {}, bool create_graph = false) const;
   /// A new leaf sharing the tensor, without grad_fn and not requiring grad.

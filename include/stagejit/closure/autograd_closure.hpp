@@ -296,12 +296,39 @@ class StageCall final : public ClosureImpl {
   /// engine's mask when the call is applied as a Function: the others come back
   /// undefined), and capturing for later stages only when one can follow (grad mode).
   variable_list apply(variable_list inputs, const std::vector<char>& needed_mask) override {
+    return apply(std::move(inputs), needed_mask, OutputSink{});
+  }
+
+  /// As above; when `early` is set (the engine applies this call) and the outputs get no
+  /// grad_fn (outside grad mode), each output is handed to `early` as soon as the stage
+  /// has computed it, as the value `apply` would return (Note [Early outputs] in
+  /// autograd/engine.hpp): a leaf's AccumulateGrad can then run while the rest of the
+  /// stage runs. In grad mode the outputs need the next stage, primed by the whole call,
+  /// as grad_fn, so they leave at the end.
+  variable_list apply(variable_list inputs, const std::vector<char>& needed_mask,
+                      const OutputSink& early) override {
     const auto& d = *desc_;
     CallState state;
     std::vector<char> needed = needed_mask;
     needed.resize(d.plan.stage_outputs(stage_).size(), 1);
     const bool captures = !d.linked() || (GradMode::is_enabled() && stage_ + 1 < d.num_stages());
+    // The tensors the call was fed (its inputs and the earlier-stage values it was primed
+    // with), sorted, for `alias_if_input`.
+    std::vector<const c10::TensorImpl*> input_impls;
+    input_impls.reserve(inputs.size() + d.stages[stage_].prev_slots.size());
+    for (const auto& in : inputs)
+      if (in.defined()) input_impls.push_back(in.data().unsafeGetTensorImpl());
+    for (std::size_t slot : d.stages[stage_].prev_slots)
+      if (slot < env_values_.size() && env_values_[slot].defined())
+        input_impls.push_back(env_values_[slot].data().unsafeGetTensorImpl());
+    std::sort(input_impls.begin(), input_impls.end());
+    if (early && !(GradMode::is_enabled() && d.linked())) {
+      state.early_outputs = [&early, &input_impls](std::size_t i, Variable v) {
+        early(i, v.defined() ? Variable(alias_if_input(v.data(), input_impls)) : Variable());
+      };
+    }
     run(inputs, state, &needed, captures);
+    state.early_outputs = nullptr;
     variable_list outs = std::move(state.outputs);
 
     // Edges of every graph input up to this stage, for the next stage's outputs.
@@ -326,16 +353,6 @@ class StageCall final : public ClosureImpl {
       for (const auto& e : edges) any_edge = any_edge || e.is_valid();
       if (any && any_edge) grad_fn = make_next(state, edges);
     }
-    // The tensors the call was fed (its inputs and the earlier-stage values it was primed
-    // with), sorted, for `alias_if_input`.
-    std::vector<const c10::TensorImpl*> input_impls;
-    input_impls.reserve(inputs.size() + d.stages[stage_].prev_slots.size());
-    for (const auto& in : inputs)
-      if (in.defined()) input_impls.push_back(in.data().unsafeGetTensorImpl());
-    for (std::size_t slot : d.stages[stage_].prev_slots)
-      if (slot < env_values_.size() && env_values_[slot].defined())
-        input_impls.push_back(env_values_[slot].data().unsafeGetTensorImpl());
-    std::sort(input_impls.begin(), input_impls.end());
     variable_list result;
     result.reserve(outs.size());
     uint32_t next_input = 0;

@@ -13,7 +13,8 @@
 /// Op -> OpCall over the op table; FusionGroup -> FusedKernel running the generated
 /// kernel (`fusion::FusedGroup`, which falls back to the nodes one by one); HostOp -> HostCall; Eval -> EvalPlaceholder whose
 /// post-callback applies the Handle; Transpose / Reshape / Gemm -> AtenCall; the
-/// stage's outputs -> one Output stopped by a CaptureOutputs pre-callback. Fan-out and
+/// stage's outputs -> one Output stopped by a CaptureOutputs pre-callback, each output's
+/// producer also emitting it early through an EmitOutput post-callback. Fan-out and
 /// unused outputs go through Replicate (a Function has one edge per output, and the
 /// engine sums what meets at one input).
 
@@ -132,6 +133,18 @@ struct StageClosure {
       callbacks.post.emplace(found, CaptureOutput{v->offset(), renumber(slot)});
     }
     std::vector<std::shared_ptr<Function>>().swap(fn_of_);  // only needed while building
+
+    // Each stage output leaves through the one edge that feeds its slot of the Output:
+    // its producer emits it there as soon as it is computed (Note [Early outputs] in
+    // autograd/engine.hpp). Not for an Eval's placeholder, whose outputs its RunHandle
+    // post-callback replaces (post-callbacks of one Function run in no set order).
+    for (const auto& fn : functions) {
+      if (fn->is<EvalPlaceholder>()) continue;
+      for (std::size_t j = 0; j < fn->next_functions.size(); ++j) {
+        const Edge& e = fn->next_functions[j];
+        if (e.function == output) callbacks.post.emplace(fn.get(), EmitOutput{j, e.input_nr});
+      }
+    }
   }
 
  private:

@@ -92,6 +92,14 @@ class FusionError : public Error {
   using Error::Error;
 };
 
+/// A distributed process group or data-parallel step failed: a peer did not arrive or was
+/// lost, a collective timed out, or the ranks disagree (distributed/). The message names
+/// this rank, the store's address and the timeout, and the lost rank(s) when known.
+class DistributedError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 
 inline void append_all(std::ostringstream&) {}
