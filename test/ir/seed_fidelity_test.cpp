@@ -102,7 +102,7 @@ TEST_SUITE("ir") {
   TEST_CASE("a stage output whose declared type its op does not compute is an error naming the node") {
     auto lie = round_trip("graph(%x : Float(2, 3)) {\n  %1 : Float(2, 3) = Transpose[perm=[1, 0]](%x);\n  return (%1);\n}\n");
     CHECK_THROWS_WITH_AS(run(lie, {{sj::Variable(at::randn({2, 3}))}}),
-                         "stage 0 output 0, %1 (node %1 = Transpose (line 2, column 3)), is a Float tensor of sizes "
+                         "stage 0 output 0, %0 (node %0 = Transpose (line 2, column 3)), is a Float tensor of sizes "
                          "[3, 2] but is declared Float(2, 3)",
                          sj::ShapeError);
     auto dtype = round_trip("graph(%x : Float(2)) {\n  %1 : Double(2) = neg(%x);\n  return (%1);\n}\n");

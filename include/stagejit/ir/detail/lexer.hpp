@@ -86,10 +86,10 @@ class Lexer {
     auto at_p = [&](size_t k) { return p + k < text_.size() ? text_[p + k] : '\0'; };
     while (p < text_.size() && std::isspace(static_cast<unsigned char>(text_[p]))) ++p;
     size_t start = p;
-    bool any_number = false;
+    bool any_number = false;  // a value of some kind
     const size_t limit = std::min(text_.size(), start + (size_t(1) << 20));  // no quadratic rescans
     while (p < limit && text_[p] != '[' && text_[p] != ']' && text_[p] != '"') {
-      any_number = any_number || std::isdigit(static_cast<unsigned char>(text_[p]));
+      any_number = any_number || std::isalnum(static_cast<unsigned char>(text_[p]));  // digits, nan, inf
       ++p;
     }
     if (!any_number || at_p(0) != '[') return std::nullopt;
