@@ -35,6 +35,12 @@ const std::vector<Regression>& regressions() {
        "tensor type sizes [4611686018427387904, 4611686018427387904, 4] overflow"},
       {"type_marked_stride_overflow.ir", Outcome::parse_error, 1, 12,
        "tensor type sizes [3, 4611686018427387904, 2] overflow"},
+      // A device index above ATen's 8-bit DeviceIndex wrapped to a negative one, which
+      // printed as `cuda:-87` and did not parse back (found after the #15 front end).
+      {"device_index_overflow.ir", Outcome::parse_error, 1, 30, "device index 169 is out of range (0 to 127)"},
+      // A quoted host op name may not hold control characters: a NUL in it cut the
+      // closure compiler's message naming the op (found after the #15 front end).
+      {"host_op_name_control_char.ir", Outcome::parse_error, 2, 20, "an op name cannot hold control characters"},
   };
   return all;
 }

@@ -54,6 +54,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -223,7 +224,16 @@ class Parser {
         expect_punct('=', "after 'device'");
         Token d = expect_ident("a device (cpu, cuda:0)");
         std::string spec = d.text;
-        if (accept(':')) spec += ":" + std::to_string(parse_int(lex_.next(), "a device index"));
+        if (accept(':')) {
+          // ATen keeps a device index in 8 bits: a larger one would wrap (and print back
+          // as a negative index that does not parse).
+          Token index = lex_.next();
+          int64_t i = parse_int(index, "a device index");
+          if (i < 0 || i > std::numeric_limits<c10::DeviceIndex>::max())
+            fail(index, "device index " + index.text + " is out of range (0 to " +
+                            std::to_string(int(std::numeric_limits<c10::DeviceIndex>::max())) + ")");
+          spec += ":" + std::to_string(i);
+        }
         try {
           device = at::Device(spec);
         } catch (const std::exception&) {
@@ -612,6 +622,16 @@ class Parser {
 
   static std::string name_text(const Token& t) { return t.text; }
 
+  // A quoted op name is printable text: not empty, no control characters (a NUL would cut
+  // every message that names the op).
+  void check_quoted_name(const Token& t) {
+    if (t.kind != TokenKind::String) return;
+    if (t.text.empty()) fail(t, "an op name cannot be empty");
+    for (char c : t.text)
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f)
+        fail(t, "an op name cannot hold control characters");
+  }
+
   // Whether an aliased op takes `n` inputs: its arity in the table, and two for the binary
   // arithmetic ops unless their scalar operand (`other`) is an attribute.
   static bool alias_arity_fits(const Op& op, size_t n) {
@@ -711,6 +731,7 @@ class Parser {
       Token name = lex_.next();  // an identifier, or a quoted name (printer.hpp, op_name_text)
       if (name.kind != TokenKind::Ident && name.kind != TokenKind::String)
         fail(name, "expected a host op name after '^', found " + name.describe());
+      check_quoted_name(name);
       std::optional<std::string> conv;
       Token conv_tok;
       if (accept('[')) {
@@ -746,6 +767,7 @@ class Parser {
       return g.create(HostOp{name.text, *conv, std::move(scalars), nullptr}, inputs, {});
     }
     if (t.kind == TokenKind::String) {  // a quoted op name (printer.hpp, op_name_text)
+      check_quoted_name(t);
       std::vector<Token> attr_tokens;
       AttributeList attrs = parse_attrs(attr_tokens);
       auto inputs = parse_input_list(scope);
