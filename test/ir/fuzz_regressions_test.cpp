@@ -41,6 +41,8 @@ const std::vector<Regression>& regressions() {
       // A quoted host op name may not hold control characters: a NUL in it cut the
       // closure compiler's message naming the op (found after the #15 front end).
       {"host_op_name_control_char.ir", Outcome::parse_error, 2, 20, "an op name cannot hold control characters"},
+      // The same for a CppOp's raw C++ type name (printed back quoted, it did not parse).
+      {"cppop_name_control_char.ir", Outcome::parse_error, 2, 25, "a CppOp's name cannot hold control characters"},
   };
   return all;
 }

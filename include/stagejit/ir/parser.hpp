@@ -780,6 +780,9 @@ class Parser {
       auto [line, col] = lex_.position();
       std::string name = lex_.raw_until("]", true, "the CppOp's name");
       if (name.empty()) lex_.fail(line, col, "expected the CppOp's name inside [...]");
+      for (char c : name)
+        if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f)
+          lex_.fail(line, col, "a CppOp's name cannot hold control characters");
       expect_punct(']', "after the CppOp's name");
       auto inputs = parse_input_list(scope);
       std::string cls = cpp_class_name(name);
