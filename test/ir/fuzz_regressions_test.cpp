@@ -43,6 +43,10 @@ const std::vector<Regression>& regressions() {
       {"host_op_name_control_char.ir", Outcome::parse_error, 2, 20, "an op name cannot hold control characters"},
       // The same for a CppOp's raw C++ type name (printed back quoted, it did not parse).
       {"cppop_name_control_char.ir", Outcome::parse_error, 2, 25, "a CppOp's name cannot hold control characters"},
+      // `prim::onnx::TranspFusionGroup_0`: one namespace was stripped, the op kept the name
+      // `onnx::TranspFusionGroup_0`, printed bare, and lost its second namespace on the
+      // way back (round trip differed). Two namespaces are a ParseError now.
+      {"op_two_namespaces.ir", Outcome::parse_error, 5, 22, "has two namespaces"},
   };
   return all;
 }

@@ -200,6 +200,34 @@ TEST_SUITE("ir") {
     CHECK(same(run(g, {{sj::Variable(a), sj::Variable(b)}})[0][0], expected));
   }
 
+  TEST_CASE("2018: one namespace per kind; ops named like a parser word print quoted and read back") {
+    auto graph_with = [](const std::string& kind) {
+      return "graph(%a : Float(2),\n      %b : Float(2)) {\n  %1 : Float(2) = " + kind + "(%a, %b)\n  return (%1);\n}\n";
+    };
+    CHECK_THROWS_WITH_AS(ir::parse(graph_with("prim::onnx::Add")),
+                         "3:19: 'prim::onnx::Add' has two namespaces; expected one of aten::, prim::, onnx:: before a kind",
+                         sj::ParseError);
+    CHECK_THROWS_WITH_AS(ir::parse(graph_with("aten::FusionGroup_0")),
+                         doctest::Contains("FusionGroup_0 takes no namespace (a fusion group is prim::FusionGroup_N)"),
+                         sj::ParseError);
+    CHECK_THROWS_WITH_AS(ir::parse(graph_with("onnx::CppOp")), doctest::Contains("CppOp takes no namespace"),
+                         sj::ParseError);
+    // Another namespace is kept: an unknown op of that name.
+    auto other = ir::parse(graph_with("mylib::Add"));
+    CHECK(ir::to_string(*other).find("= mylib::Add(%a, %b)") != std::string::npos);
+    // An op whose name the parser would read as an alias, a kind, a fusion group or a
+    // namespace prints quoted, so it reads back as the same unknown op.
+    for (std::string name : {"Add", "Transpose", "Constant", "FusionGroup_3", "fusion_group_0", "CppOp", "If",
+                             "aten::mul", "onnx::Foo"}) {
+      CAPTURE(name);
+      auto g = ir::parse(graph_with("\"" + name + "\""));
+      const std::string printed = ir::to_string(*g);
+      CHECK(printed.find("= \"" + name + "\"(%a, %b)") != std::string::npos);
+      CHECK(ir::to_string(*ir::parse(printed)) == printed);
+      CHECK(g->nodes().front()->get<ir::Op>().name() == name);
+    }
+  }
+
   TEST_CASE("2018: control flow and non-tensor types are refused naming the construct") {
     CHECK_THROWS_WITH_AS(ir::parse("graph(%a : Dynamic\n      %c : Dynamic) {\n  %1 : Dynamic = prim::If(%c)\n"
                                    "    block0() {\n      -> (%a)\n    }\n  return (%1);\n}\n"),

@@ -67,6 +67,7 @@
 #include <stagejit/ir/attributes.hpp>
 #include <stagejit/ir/detail/lexer.hpp>
 #include <stagejit/ir/detail/literals.hpp>
+#include <stagejit/ir/detail/op_words.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
 #include <stagejit/ir/type.hpp>
@@ -560,19 +561,28 @@ class Parser {
   // `fusion_group_N`, and the 2018 spellings `FusionGroup_N`, `prim::FusionGroup_N`:
   // the canonical name, or nothing.
   static std::optional<std::string> fusion_ref(std::string_view name) {
-    for (std::string_view prefix : {"fusion_group_", "FusionGroup_", "prim::FusionGroup_"}) {
-      if (name.size() > prefix.size() && name.substr(0, prefix.size()) == prefix &&
-          name.find_first_not_of("0123456789", prefix.size()) == std::string_view::npos)
-        return "fusion_group_" + std::string(name.substr(prefix.size()));
-    }
+    for (std::string_view prefix : {"fusion_group_", "FusionGroup_", "prim::FusionGroup_"})
+      if (detail::is_fusion_ref(name, prefix)) return "fusion_group_" + std::string(name.substr(prefix.size()));
     return std::nullopt;
   }
 
   // The kind a 2018 name (`aten::mul`, `prim::Constant`, `onnx::Add`) stands for
-  // without its namespace; other namespaces are kept (an unknown op).
-  static std::string_view strip_namespace(std::string_view name) {
-    for (std::string_view ns : {"aten::", "prim::", "onnx::"})
-      if (name.substr(0, ns.size()) == ns) return name.substr(ns.size());
+  // without its namespace; other namespaces are kept (an unknown op). One namespace:
+  // what remains may not start another (`prim::onnx::Add`) nor be a fusion group's
+  // name (`aten::FusionGroup_0`), which the printer could not give back as they were.
+  std::string_view strip_namespace(const Token& t) {
+    std::string_view name = t.text;
+    for (std::string_view ns : detail::ir_namespaces) {
+      if (name.substr(0, ns.size()) != ns) continue;
+      std::string_view bare = name.substr(ns.size());
+      for (std::string_view inner : detail::ir_namespaces)
+        if (bare.substr(0, inner.size()) == inner)
+          fail(t, "'" + t.text + "' has two namespaces; expected one of aten::, prim::, onnx:: before a kind");
+      if (bare == "CppOp" || detail::is_fusion_ref(bare, "fusion_group_") || detail::is_fusion_ref(bare, "FusionGroup_"))
+        fail(t, "'" + t.text + "': " + std::string(bare) + " takes no namespace" +
+                    (bare == "CppOp" ? "" : " (a fusion group is prim::FusionGroup_N)"));
+      return bare;
+    }
     return name;
   }
 
@@ -580,19 +590,8 @@ class Parser {
   // in the file comment). Returns nothing for a name that is not an alias.
   std::optional<Op> alias_op(const Token& t, std::string_view name, AttributeList attrs,
                              const std::vector<Token>& attr_tokens) {
-    struct Alias {
-      std::string_view from;
-      OpId to;
-    };
-    static constexpr Alias aliases[] = {
-        {"Add", OpId::add},         {"Sub", OpId::sub},     {"Mul", OpId::mul},   {"Div", OpId::div},
-        {"Neg", OpId::neg},         {"Tanh", OpId::tanh},   {"Sigmoid", OpId::sigmoid},
-        {"Exp", OpId::exp},         {"Log", OpId::log},     {"Relu", OpId::relu}, {"Chunk", OpId::chunk},
-        {"Split", OpId::split},     {"Concat", OpId::cat},  {"Sqrt", OpId::sqrt}, {"Abs", OpId::abs},
-        {"Reciprocal", OpId::reciprocal}, {"MatMul", OpId::matmul}, {"Cat", OpId::cat},
-    };
-    const Alias* found = nullptr;
-    for (const Alias& a : aliases)
+    const detail::OpAlias* found = nullptr;
+    for (const detail::OpAlias& a : detail::op_aliases)
       if (a.from == name) found = &a;
     if (!found) return std::nullopt;
     AttributeList out;
@@ -807,7 +806,7 @@ class Parser {
       scope.fusion_refs[*ref] = n;
       return n;
     }
-    const std::string_view bare = strip_namespace(t.text);
+    const std::string_view bare = strip_namespace(t);
     refuse_control_flow(t, bare);
     std::vector<Token> attr_tokens;
     auto parse_attrs_tracked = [&] { return parse_attrs(attr_tokens); };

@@ -34,6 +34,7 @@
 #include <stagejit/core/overloaded.hpp>
 #include <stagejit/ir/attributes.hpp>
 #include <stagejit/ir/detail/names.hpp>
+#include <stagejit/ir/detail/op_words.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
 
@@ -58,13 +59,19 @@ inline std::string op_name_text(std::string_view name) {
   return plain ? std::string(name) : quote(std::string(name));
 }
 
+/// An `Op`'s name as printed: quoted also when the parser would read the bare word as
+/// something else (an alias such as `Add`, a kind, a 2018 namespace: detail/op_words.hpp).
+inline std::string op_kind_text(std::string_view name) {
+  return detail::is_reserved_op_word(name) ? quote(std::string(name)) : op_name_text(name);
+}
+
 inline std::string kind_text(const Node& n, size_t& fusion_index,
                              std::vector<const Graph*>& subgraphs) {
   auto bare = [](const auto& k) -> std::string { return std::string(kind_name<std::decay_t<decltype(k)>>()); };
   return std::visit(
       Overloaded{
           [&](const Op& k) -> std::string {
-            std::string out = op_name_text(k.name());
+            std::string out = op_kind_text(k.name());
             if (!k.attributes.empty()) {
               out += '[';
               for (size_t i = 0; i < k.attributes.size(); ++i)
