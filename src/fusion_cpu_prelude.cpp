@@ -108,11 +108,12 @@ inline void store(const Vec<T>& v, S* p, int64_t s, int64_t count) {
   for (int64_t k = 0; k < count; ++k) p[k * s] = static_cast<S>(buf[k]);
 }
 
-/// Launches whose outputs hold at least this many bytes in all store them with
-/// non-temporal (streaming) stores on the contiguous path: they do not fit in the caches
-/// anyway, and a streaming store writes a line without first reading it (a plain store
-/// reads every line it writes: three memory transfers per element copied instead of two).
-inline constexpr int64_t kStreamBytes = int64_t(8) << 20;
+/// Launches whose outputs hold at least this many bytes each (twice a core's L2 on the
+/// development machine) store them with non-temporal (streaming) stores on the
+/// contiguous path: they would not stay in the near caches anyway, and a streaming store
+/// writes a line without first reading it (a plain store reads every line it writes:
+/// three memory transfers per element copied instead of two).
+inline constexpr int64_t kStreamBytes = int64_t(4) << 20;
 
 /// Whether `store_stream` is a streaming store here.
 inline constexpr bool kCanStream =
@@ -173,7 +174,7 @@ inline void elementwise_impl(types<In...>, types<Out...>, int64_t begin, int64_t
     if (dense) {
       int64_t numel = 1;
       for (int d = 0; d <= last; ++d) numel *= sizes[d];
-      stream = numel * NO * int64_t(sizeof(T)) >= kStreamBytes;
+      stream = numel * int64_t(sizeof(T)) >= kStreamBytes;
     }
   }
   bool streamed = false;
