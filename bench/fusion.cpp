@@ -86,7 +86,9 @@ inline void loop(int64_t begin, int64_t end, const float* align, Step step) {
   if (peel > 0) step(i, peel, false), i += peel;
   for (; i + W <= end; i += W) step(i, W, true);
   if (i < end) step(i, end - i, false);
+#if defined(__x86_64__)
   _mm_sfence();
+#endif
 }
 inline void put(const V& v, float* p, int64_t n, bool whole) {
   if (whole) sjk::store_stream<float>(v, p);
