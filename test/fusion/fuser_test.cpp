@@ -5,6 +5,7 @@
 #include <stagejit/passes/graph_fuser.hpp>
 #include <stagejit/testing/doctest.hpp>
 
+#include <map>
 #include <string>
 
 namespace ir = stagejit::ir;
@@ -204,6 +205,75 @@ with fusion_group_1 = graph(%0 : Float(3, 5),
     // exp's other use (sum) comes before neg, but that is fine: sum is outside and
     // before the group's anchor, so exp cannot move into a group placed at neg.
     CHECK(fused(in, 0) == ir::to_string(*ir::parse(in)));
+  }
+
+  TEST_CASE("fuse: groups that a value flows between merge (Note [Merging fusion groups])") {
+    // The backward of tanh(a*b + c) * sigmoid(a): dc feeds both db (early) and da (late),
+    // so growing from the anchors alone makes two groups; merged, one kernel reads gy, s,
+    // t, a, b once and writes da, db, dc.
+    const std::string in = R"(graph(%a : Float(8),
+      %b : Float(8),
+      %s : Float(8),
+      %t : Float(8),
+      %gy : Float(8)) {
+  %gt : Float(8) = mul(%gy, %s);
+  %tt : Float(8) = mul(%t, %t);
+  %d : Float(8) = rsub[other=1, alpha=1](%tt);
+  %dc : Float(8) = mul(%gt, %d);
+  %db : Float(8) = mul(%dc, %a);
+  %da1 : Float(8) = mul(%dc, %b);
+  %gs : Float(8) = mul(%gy, %t);
+  %om : Float(8) = rsub[other=1, alpha=1](%s);
+  %q : Float(8) = mul(%gs, %om);
+  %da2 : Float(8) = mul(%q, %s);
+  %da : Float(8) = add[alpha=1](%da1, %da2);
+  return (%da, %db, %dc);
+}
+)";
+    const std::string out = fused(in, 1);
+    auto g = ir::parse(out);
+    const ir::Node* group = nullptr;
+    for (const ir::Node* n : g->nodes())
+      if (n->is<ir::FusionGroup>()) group = n;
+    REQUIRE(group);
+    CHECK(group->inputs().size() == 5);
+    CHECK(group->outputs().size() == 3);
+    CHECK(group->get_if<ir::FusionGroup>()->subgraph->nodes().size() == 11);
+    at::manual_seed(3);
+    std::vector<at::Tensor> x = {at::randn({8}), at::randn({8}), at::rand({8}), at::rand({8}), at::randn({8})};
+    std::vector<at::Tensor> args;
+    for (const ir::Value* v : group->inputs())
+      for (size_t i = 0; i < g->inputs().size(); ++i)
+        if (g->inputs()[i] == v) args.push_back(x[i]);
+    REQUIRE(args.size() == 5);
+    std::string reason = "unset";
+    auto got = stagejit::fusion::run_fused(*group->get_if<ir::FusionGroup>()->subgraph, args, {nullptr, "merged", &reason});
+    CHECK(reason == "");
+    const at::Tensor &a = x[0], &b = x[1], &s = x[2], &t = x[3], &gy = x[4];
+    const at::Tensor dc = gy * s * (1 - t * t);
+    std::map<std::string, at::Tensor> want = {{"dc", dc}, {"db", dc * a}, {"da", dc * b + gy * t * (1 - s) * s}};
+    REQUIRE(got.size() == 3);
+    for (size_t i = 0; i < 3; ++i) {
+      CAPTURE(group->output(i)->name());
+      CHECK(at::allclose(got[i], want.at(group->output(i)->name()), 1e-6, 1e-7));
+    }
+  }
+
+  TEST_CASE("fuse: a group whose value is read by another node before the later group is not merged") {
+    // %m is read by mm (not fusable) before the second group's anchor: merging would
+    // move its producer after its reader.
+    const std::string in = R"(graph(%a : Float(2, 2),
+      %b : Float(2, 2)) {
+  %x : Float(2, 2) = mul(%a, %b);
+  %m : Float(2, 2) = exp(%x);
+  %p : Float(2, 2) = mm(%m, %a);
+  %u : Float(2, 2) = neg(%m);
+  %v : Float(2, 2) = mul(%u, %p);
+  return (%v);
+}
+)";
+    const std::string out = fused(in, 2);
+    CHECK(out.find("mm(") < out.find("fusion_group_1("));
   }
 }
 

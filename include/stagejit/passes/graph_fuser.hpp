@@ -20,6 +20,17 @@
 /// group share the iteration shape (values used only inside may be smaller and are
 /// broadcast). Groups of one node are left unfused.
 ///
+/// Note [Merging fusion groups]: growing from anchors through producers leaves apart
+/// groups that a value flows between when that value has another reader before the
+/// consumer's anchor (a backward's `dc` read by the gradients of both `a` and `b`), and
+/// sibling groups reading the same tensors. After grouping, an earlier group joins a
+/// later group of its stage (placed at the later anchor) when it feeds it or shares an
+/// input with it, every other reader of its values runs after that anchor, and both have
+/// one known iteration shape, device and non-bool input dtype, with at most 24 tensors
+/// between them (a CUDA launch's limit). Each merge saves a pass over memory: the
+/// merged kernel reads the shared inputs once and never writes or re-reads the values
+/// that flowed between the groups, unless something else reads them.
+///
 /// Chunk distribution (before grouping, to a fixpoint): `chunk(op(x, y, ...))` where `op`
 /// is fusable, its output is used only by the chunk, and every chunk output is used only
 /// by fusable nodes of the chunk's stage, becomes `op(chunk(x)_k, chunk(y)_k, ...)` per
@@ -33,6 +44,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <memory>
 #include <vector>
 
@@ -290,6 +302,113 @@ inline size_t fuse(ir::Graph& graph) {
     std::sort(members.begin(), members.end(),
               [&](const ir::Node* a, const ir::Node* b) { return position(a) < position(b); });
     groups.push_back(std::move(members));
+  }
+  // Merging (Note [Merging fusion groups]): an earlier group joins a later one of the
+  // same stage and iteration shape when it feeds it or shares an input with it, and
+  // nothing else reads its values before the later group's anchor.
+  if (groups.size() > 1) {
+    std::sort(groups.begin(), groups.end(), [&](const std::vector<ir::Node*>& a, const std::vector<ir::Node*>& b) {
+      return position(a.back()) < position(b.back());
+    });
+    std::vector<size_t> group_at(nodes.size() + 1, npos);  // anchor position -> group index
+    for (size_t k = 0; k < groups.size(); ++k) group_at[position(groups[k].back())] = k;
+    auto group_of = [&](const ir::Node* n) { return taken(n) ? group_at[placed_at[n->id()]] : npos; };
+    // Outer inputs of a group (values its members read that no member makes), and
+    // whether it may merge at all: every escaping value and every outer input has a known
+    // tensor type, one iteration shape and device, and one non-bool dtype.
+    struct Info {
+      bool ok = false;
+      std::vector<ir::Value*> inputs;
+      size_t outputs = 0;
+      const ir::TensorType* shape = nullptr;  // the anchor's type
+      at::ScalarType dtype = at::kBool;       // the non-bool dtype of the inputs
+    };
+    auto info_of = [&](size_t k) {
+      Info info;
+      const auto& members = groups[k];
+      info.shape = members.back()->output()->tensor_type();
+      if (!info.shape) return info;
+      bool have_dtype = false;
+      for (ir::Node* m : members) {
+        for (ir::Value* v : m->inputs()) {
+          if (group_of(v->node()) == k) continue;
+          if (std::find(info.inputs.begin(), info.inputs.end(), v) != info.inputs.end()) continue;
+          const ir::TensorType* t = v->tensor_type();
+          if (!t || t->device != info.shape->device) return info;
+          if (t->dtype != at::kBool) {
+            if (have_dtype && t->dtype != info.dtype) return info;
+            info.dtype = t->dtype;
+            have_dtype = true;
+          }
+          info.inputs.push_back(v);
+        }
+        bool escapes = false;
+        for (const ir::Use& u : m->output()->uses()) escapes = escapes || group_of(u.user) != k;
+        if (!escapes) continue;
+        ++info.outputs;
+        const ir::TensorType* t = m->output()->tensor_type();
+        if (!t || t->sizes != info.shape->sizes || t->device != info.shape->device) return info;
+      }
+      info.ok = have_dtype;
+      return info;
+    };
+    std::vector<Info> infos;
+    infos.reserve(groups.size());
+    for (size_t k = 0; k < groups.size(); ++k) infos.push_back(info_of(k));
+    constexpr size_t kMaxScannedUses = 64;  // per shared input: keeps the search linear
+    constexpr size_t kMaxTensors = 24;      // inputs + outputs of a merged group (a CUDA launch's limit)
+    std::vector<size_t> candidates;
+    for (size_t l = 0; l < groups.size(); ++l) {
+      if (groups[l].empty() || !infos[l].ok) continue;
+      const size_t pl = position(groups[l].back());
+      for (bool merged = true; merged;) {
+        merged = false;
+        candidates.clear();
+        for (ir::Value* v : infos[l].inputs) {
+          if (size_t e = group_of(v->node()); e != npos && e < l) candidates.push_back(e);  // feeds l
+          size_t scanned = 0;
+          for (const ir::Use& u : v->uses()) {  // shares the input with l
+            if (++scanned > kMaxScannedUses) break;
+            if (size_t e = group_of(u.user); e != npos && e < l) candidates.push_back(e);
+          }
+        }
+        std::sort(candidates.begin(), candidates.end());
+        candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
+        for (auto it = candidates.rbegin(); it != candidates.rend(); ++it) {
+          const size_t e = *it;
+          const Info& ie = infos[e];
+          const Info& il = infos[l];
+          if (groups[e].empty() || !ie.ok || groups[e].back()->stage() != groups[l].back()->stage() ||
+              ie.shape->sizes != il.shape->sizes || ie.shape->device != il.shape->device || ie.dtype != il.dtype)
+            continue;
+          if (ie.inputs.size() + ie.outputs + il.inputs.size() + il.outputs > kMaxTensors) continue;
+          // Every reader of e's values outside e and l runs after l's anchor.
+          bool ok = true;
+          for (ir::Node* m : groups[e]) {
+            for (const ir::Use& u : m->output()->uses()) {
+              const size_t g = group_of(u.user);
+              if (g == e || g == l) continue;
+              ok = ok && (taken(u.user) ? placed_at[u.user->id()] : position(u.user)) > pl;
+            }
+            if (!ok) break;
+          }
+          if (!ok) continue;
+          for (ir::Node* m : groups[e]) placed_at[m->id()] = pl;
+          std::vector<ir::Node*> all;
+          all.reserve(groups[e].size() + groups[l].size());
+          std::merge(groups[e].begin(), groups[e].end(), groups[l].begin(), groups[l].end(), std::back_inserter(all),
+                     [&](const ir::Node* a, const ir::Node* b) { return position(a) < position(b); });
+          groups[l] = std::move(all);
+          groups[e].clear();
+          infos[e] = Info{};
+          infos[l] = info_of(l);
+          merged = infos[l].ok;
+          break;
+        }
+      }
+    }
+    groups.erase(std::remove_if(groups.begin(), groups.end(), [](const auto& m) { return m.empty(); }),
+                 groups.end());
   }
   // A node is a member of the group being made when it was placed at that group's
   // anchor (anchors have distinct positions).
