@@ -363,8 +363,10 @@ std::string compile_to_ptx(const std::string& source, const std::string& arch, c
     ~Destroy() { n.destroy(p); }
   } destroy{n, &prog};
   const std::string arch_opt = "--gpu-architecture=" + use_arch;
-  const char* opts[] = {arch_opt.c_str(), "--std=c++17"};
-  r = n.compile(prog, 2, opts);
+  // --fmad=false: no contraction of a*b+c into one rounding, so fused results round like
+  // ATen's op-by-op kernels (as the CPU backend's -ffp-contract=off).
+  const char* opts[] = {arch_opt.c_str(), "--std=c++17", "--fmad=false"};
+  r = n.compile(prog, 3, opts);
   std::size_t log_size = 0;
   std::string log;
   if (n.log_size(prog, &log_size) == NVRTC_SUCCESS && log_size > 1) {

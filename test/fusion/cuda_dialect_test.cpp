@@ -35,7 +35,7 @@ TEST_SUITE("fusion") {
     auto g = ir::parse(tanh_sigmoid_group);
     const auto ks = fusion::generate(*g, metas(at::kFloat, {{16, 4}, {4}, {16, 1}}), fusion::DeviceKind::CUDA, 1);
     CHECK(ks.entry == "stagejit_fused");
-    CHECK(ks.key.device == fusion::DeviceKind::CUDA);
+    CHECK((ks.key.device == fusion::DeviceKind::CUDA));
     CHECK(ks.key.device_index == 1);
     CHECK(has(ks.source, "extern \"C\" __global__ void stagejit_fused(long long begin, long long end, int rank, "
                          "stagejit_ArgPack p)"));
@@ -44,10 +44,10 @@ TEST_SUITE("fusion") {
     CHECK(has(ks.source, "const T x0 = sj_load_as<T, float>(p.t[0], rank, i);"));
     CHECK(has(ks.source, "sj_store_as<T, float>(p.t[3], rank, i, t4);"));
     CHECK(has(ks.source, "sjf_tanh("));
-    CHECK(has(ks.source, "(T(1) / (T(1) + sjf_exp((-x0))))"));  // sigmoid: literals in T
+    CHECK(has(ks.source, "(T(1) / (T(1) + sjf_exp(-x0)))"));  // sigmoid: literals in T
     CHECK(!has(ks.source, "Vectorized"));
     REQUIRE(ks.key.outputs.size() == 1);
-    CHECK(ks.key.outputs[0].dtype == at::kFloat);
+    CHECK((ks.key.outputs[0].dtype == at::kFloat));
     CHECK(ks.key.outputs[0].rank == 2);
 
     // Half and bfloat16: stored 16-bit, computed in float; outputs keep the storage dtype.
@@ -55,11 +55,11 @@ TEST_SUITE("fusion") {
     CHECK(has(half.source, "typedef float T;"));
     CHECK(has(half.source, "sj_load_as<T, sj_half>"));
     CHECK(has(half.source, "sj_store_as<T, sj_half>"));
-    CHECK(half.key.outputs[0].dtype == at::kHalf);
+    CHECK((half.key.outputs[0].dtype == at::kHalf));
     const auto bf16 = fusion::generate(*g, metas(at::kBFloat16, {{8}, {8}, {8}}), fusion::DeviceKind::CUDA);
     CHECK(has(bf16.source, "sj_load_as<T, sj_bfloat16>"));
-    CHECK(fusion::output_dtypes(*g, metas(at::kBFloat16, {{8}, {8}, {8}}), fusion::DeviceKind::CUDA) ==
-          std::vector<at::ScalarType>{at::kBFloat16});
+    CHECK((fusion::output_dtypes(*g, metas(at::kBFloat16, {{8}, {8}, {8}}), fusion::DeviceKind::CUDA) ==
+           std::vector<at::ScalarType>{at::kBFloat16}));
     const auto dbl = fusion::generate(*g, metas(at::kDouble, {{8}, {8}, {8}}), fusion::DeviceKind::CUDA);
     CHECK(has(dbl.source, "typedef double T;"));
 
@@ -91,8 +91,8 @@ TEST_SUITE("fusion") {
     CHECK(has(p, "(T(1) - x0)"));                        // rsub, scalar form
     // Bool outputs are stored as bool.
     CHECK(has(p, "sj_store_as<T, bool>(p.t[2], rank, i, t0);"));
-    CHECK(ks.key.outputs[0].dtype == at::kBool);
-    CHECK(ks.key.outputs[1].dtype == at::kDouble);
+    CHECK((ks.key.outputs[0].dtype == at::kBool));
+    CHECK((ks.key.outputs[1].dtype == at::kDouble));
     CHECK(fusion::detail::literal(std::numeric_limits<double>::quiet_NaN(), true) == "sj_nan<T>()");
     CHECK(fusion::detail::literal(-std::numeric_limits<double>::infinity(), true) == "(-sj_inf<T>())");
   }
@@ -143,7 +143,7 @@ TEST_SUITE("fusion") {
     auto cpu = fusion::detail::plan_group(*g, text, {at::randn({4}), at::randn({4}), at::randn({4})}, {}, "g");
     CHECK(cpu.fallback == "");
     CHECK(cpu.kernel != nullptr);
-    CHECK(cpu.device == at::Device(at::kCPU));
+    CHECK((cpu.device == at::Device(at::kCPU)));
   }
 
   TEST_CASE("NVRTC compiles the CUDA dialect of every test group to PTX, in float, double, half and bfloat16" *

@@ -42,7 +42,7 @@ double tolerance(at::ScalarType dtype) {
 /// `got` and `want` have the same dtype, shape and NaNs; their values agree within `tol`.
 void check_same(const at::Tensor& got, const at::Tensor& want, double tol) {
   REQUIRE(got.sizes() == want.sizes());
-  REQUIRE(got.scalar_type() == want.scalar_type());
+  REQUIRE((got.scalar_type() == want.scalar_type()));
   REQUIRE(got.device() == want.device());
   if (got.scalar_type() == at::kBool) {
     CHECK(at::equal(got.cpu(), want.cpu()));
@@ -183,7 +183,7 @@ TEST_SUITE("gpu") {
           sj::variable_list outs = f(inputs);
           int groups = 0;
           for (const auto* node : f.graph_for(inputs)->nodes()) groups += node->is<ir::FusionGroup>();
-          CHECK((groups > 0) == fuse);
+          CHECK(((groups > 0) == fuse));
           REQUIRE(outs.size() == oracle.outputs[0].size());
           for (size_t i = 0; i < outs.size(); ++i) {
             CHECK(outs[i].data().is_cuda());

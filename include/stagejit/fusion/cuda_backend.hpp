@@ -50,7 +50,9 @@ std::string nvrtc_version();
 std::vector<int> nvrtc_supported_archs();
 
 /// Compiles complete CUDA C++ `source` (nothing is prepended) to PTX for the virtual
-/// architecture `arch` (`"compute_80"`; empty: the lowest NVRTC supports). `name` is
+/// architecture `arch` (`"compute_80"`; empty: the lowest NVRTC supports), C++17,
+/// without contracting multiply-adds (`--fmad=false`, fused results round like ATen's
+/// op-by-op kernels). `name` is
 /// the file name NVRTC shows in its log. Throws `FusionError` carrying the NVRTC log
 /// and the source when compilation fails, or when NVRTC is not available.
 std::string compile_to_ptx(const std::string& source, const std::string& arch = "",

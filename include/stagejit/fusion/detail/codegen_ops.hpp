@@ -27,8 +27,10 @@ namespace stagejit::fusion::detail {
 
 /// Helpers emitted before each generated kernel (global namespace, after the prelude).
 inline constexpr std::string_view kernel_helpers = R"HELPERS(#include <limits>
-template <class T>
-inline at::vec::Vectorized<T> operator-(const at::vec::Vectorized<T>& a) { return a.neg(); }
+// Unary minus: libtorch 1.13's Vectorized has none; 2.x's (Vectorized<T>, more
+// specialised) wins overload resolution over this fallback where it exists.
+template <class X>
+inline auto operator-(const X& a) -> decltype(a.neg()) { return a.neg(); }
 namespace sjf {
 template <class X> inline X exp(const X& a) { return a.exp(); }
 template <class X> inline X log(const X& a) { return a.log(); }
