@@ -28,7 +28,7 @@
 
 namespace stagejit::fusion {
 
-static_assert(kMaxCudaArgs == 24, "the CUDA prelude declares stagejit_ArgPack with 24 tensors");
+static_assert(kMaxCudaArgs >= 24, "the CUDA prelude declares stagejit_ArgPack with 24 tensors");
 
 const std::string& cuda_prelude() {
   static const std::string text = R"PRELUDE(// ---- stagejit CUDA kernel prelude ----
@@ -38,10 +38,14 @@ struct stagejit_TensorArg {
   long long sizes[8];
   long long strides[8];
 };
-/// Every tensor of a launch, passed by value (inputs then outputs).
-struct stagejit_ArgPack {
-  stagejit_TensorArg t[24];
+/// The N tensors of a launch, passed by value (inputs then outputs); the launcher passes
+/// a buffer of kMaxCudaArgs tensors, of which the kernel's parameter reads the first N.
+template <int N>
+struct stagejit_Args {
+  stagejit_TensorArg t[N];
 };
+/// The pack of hand-written kernels: up to 24 tensors.
+typedef stagejit_Args<24> stagejit_ArgPack;
 /// Element offset of linear index i (row-major over the iteration shape) in t.
 __device__ __forceinline__ long long sj_offset(const stagejit_TensorArg& t, int rank, long long i) {
   long long off = 0;

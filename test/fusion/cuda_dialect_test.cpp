@@ -38,7 +38,7 @@ TEST_SUITE("fusion") {
     CHECK((ks.key.device == fusion::DeviceKind::CUDA));
     CHECK(ks.key.device_index == 1);
     CHECK(has(ks.source, "extern \"C\" __global__ void stagejit_fused(long long begin, long long end, int rank, "
-                         "stagejit_ArgPack p)"));
+                         "stagejit_Args<4> p)"));
     CHECK(has(ks.source, "typedef float T;"));
     CHECK(has(ks.source, "SJ_GRID_STRIDE_LOOP(i, begin, end)"));
     CHECK(has(ks.source, "const T x0 = sj_load_as<T, float>(p.t[0], rank, i);"));
@@ -109,21 +109,31 @@ TEST_SUITE("fusion") {
     auto g = ir::parse(tanh_sigmoid_group);
     CHECK_THROWS_WITH_AS(fusion::generate(*g, metas(at::kLong, {{4}, {4}, {4}}), fusion::DeviceKind::CUDA),
                          doctest::Contains("not float, double, half or bfloat16"), stagejit::FusionError);
-    // More tensors than one launch's argument pack holds.
-    std::string text = "graph(";
-    for (int i = 0; i < 24; ++i) text += std::string(i ? ", " : "") + "%x" + std::to_string(i) + " : Float(4)";
-    text += ") {\n  %s0 : Float(4) = add(%x0, %x1);\n";
-    for (int i = 2; i < 24; ++i)
-      text += "  %s" + std::to_string(i - 1) + " : Float(4) = add(%s" + std::to_string(i - 2) + ", %x" +
-              std::to_string(i) + ");\n";
-    text += "  return (%s22);\n}\n";
-    auto wide = ir::parse(text);
+    // More tensors than one launch's argument pack holds (a sum of n inputs: n + 1 tensors).
+    auto sum_of = [](int n) {
+      std::string text = "graph(";
+      for (int i = 0; i < n; ++i) text += std::string(i ? ", " : "") + "%x" + std::to_string(i) + " : Float(4)";
+      text += ") {\n  %s0 : Float(4) = add(%x0, %x1);\n";
+      for (int i = 2; i < n; ++i)
+        text += "  %s" + std::to_string(i - 1) + " : Float(4) = add(%s" + std::to_string(i - 2) + ", %x" +
+                std::to_string(i) + ");\n";
+      return ir::parse(text + "  return (%s" + std::to_string(n - 2) + ");\n}\n");
+    };
+    const int n = fusion::kMaxCudaArgs;
+    auto wide = sum_of(n);
     CHECK_THROWS_WITH_AS(
-        fusion::generate(*wide, metas(at::kFloat, std::vector<std::vector<int64_t>>(24, {4})), fusion::DeviceKind::CUDA),
-        doctest::Contains("a CUDA kernel takes at most 24 tensors"), stagejit::FusionError);
+        fusion::generate(*wide, metas(at::kFloat, std::vector<std::vector<int64_t>>(n, {4})), fusion::DeviceKind::CUDA),
+        doctest::Contains(("a CUDA kernel takes at most " + std::to_string(n) + " tensors").c_str()), stagejit::FusionError);
     // The CPU dialect has no such limit.
-    CHECK_NOTHROW(fusion::generate(*wide, metas(at::kFloat, std::vector<std::vector<int64_t>>(24, {4})),
+    CHECK_NOTHROW(fusion::generate(*wide, metas(at::kFloat, std::vector<std::vector<int64_t>>(n, {4})),
                                    fusion::DeviceKind::CPU));
+    // 40 tensors (beyond the classic 4 KiB of kernel parameters) are one launch's pack.
+    auto forty = sum_of(39);
+    const auto ks = fusion::generate(*forty, metas(at::kFloat, std::vector<std::vector<int64_t>>(39, {4})),
+                                     fusion::DeviceKind::CUDA);
+    CHECK(has(ks.source, "stagejit_Args<40> p"));
+    if (fusion::nvrtc_available())
+      CHECK(has(fusion::compile_to_ptx(fusion::cuda_prelude() + ks.source), ".entry stagejit_fused("));
   }
 
   TEST_CASE("plan_group routes by device: mixed devices are refused at plan time naming the group") {

@@ -205,7 +205,8 @@ inline std::vector<at::ScalarType> output_dtypes(const ir::Graph& subgraph, cons
 ///   `extern "C" void stagejit_fused(int64_t begin, int64_t end, int32_t rank, const stagejit_TensorArg*)`;
 ///   float and double.
 /// - CUDA: CUDA C++ for NVRTC (cuda_backend.hpp's prelude), entry
-///   `extern "C" __global__ void stagejit_fused(long long begin, long long end, int rank, stagejit_ArgPack p)`,
+///   `extern "C" __global__ void stagejit_fused(long long begin, long long end, int rank, stagejit_Args<N> p)`
+///   (N = inputs + outputs),
 ///   a grid-stride loop with 64-bit indices, each thread loading its elements
 ///   (`sj_load_as`, half and bfloat16 converted to float), computing the scalar body in
 ///   the compute type and storing (`sj_store_as`); float, double, half and bfloat16; at
@@ -249,7 +250,8 @@ inline KernelSource generate(const ir::Graph& subgraph, const std::vector<at::Te
   }
   if (cuda) {
     ks.source = std::string(detail::cuda_kernel_helpers) + "extern \"C\" __global__ void " + ks.entry +
-                "(long long begin, long long end, int rank, stagejit_ArgPack p) {\n"
+                "(long long begin, long long end, int rank, stagejit_Args<" +
+                std::to_string(inputs.size() + body.output_bool.size()) + "> p) {\n"
                 "  typedef " + tn + " T;\n"
                 "  SJ_GRID_STRIDE_LOOP(i, begin, end) {\n" + loads + body.statements + stores + "  }\n}\n";
     return ks;

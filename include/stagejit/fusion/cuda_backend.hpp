@@ -9,7 +9,8 @@
 /// Built with CUDA support when the `cuda` Meson feature finds a toolkit.
 ///
 /// Generated code is written against the prelude (`cuda_prelude()`), which declares
-/// `stagejit_TensorArg` (as `TensorArg`), `stagejit_ArgPack { stagejit_TensorArg t[kMaxCudaArgs]; }`,
+/// `stagejit_TensorArg` (as `TensorArg`), `stagejit_Args<N> { stagejit_TensorArg t[N]; }` (the
+/// launch's N tensors, N <= `kMaxCudaArgs`), `stagejit_ArgPack` (= `stagejit_Args<24>`),
 /// `sj_offset(arg, rank, i)` (element offset of linear index `i`), `sj_load<T>(arg, rank, i)`,
 /// `sj_store<T>(arg, rank, i, v)` and the loop `SJ_GRID_STRIDE_LOOP(i, begin, end)`.
 /// Example (`tanh(a*b+c)*sigmoid(a)` in float):
