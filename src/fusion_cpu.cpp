@@ -170,6 +170,11 @@ CpuBackendOptions CpuBackendOptions::from_environment() {
   // -ffp-contract=off: no FMA contraction of a*b+c, so fused results round like ATen's
   // op-by-op kernels.
   o.flags = {"-std=c++17", "-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-w"};
+#ifdef STAGEJIT_TORCH_INCLUDE
+  // The libtorch stagejit was built against (-Dlibtorch=PATH): its ATen headers.
+  o.flags.push_back("-isystem");
+  o.flags.push_back(STAGEJIT_TORCH_INCLUDE);
+#endif
 #ifdef STAGEJIT_FUSION_HAVE_SLEEF
   o.link_flags = {"-lsleef"};
 #else

@@ -1,14 +1,19 @@
 // CUDA fusion backend: NVRTC and the driver API, both opened with dlopen at first use.
 #include <stagejit/core/error.hpp>
+#include <stagejit/fusion/cpu_backend.hpp>
 #include <stagejit/fusion/cuda_backend.hpp>
 #include <stagejit/fusion/detail/build_once.hpp>
 
 #include <c10/util/hash.h>
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <future>
 #include <mutex>
 #include <unordered_map>
@@ -17,10 +22,13 @@
 #include <cuda.h>
 #include <nvrtc.h>
 #endif
+#ifdef STAGEJIT_TORCH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace stagejit::fusion {
 
-static_assert(kMaxCudaArgs == 24, "the CUDA prelude declares stagejit_ArgPack with 24 tensors");
+static_assert(kMaxCudaArgs >= 24, "the CUDA prelude declares stagejit_ArgPack with 24 tensors");
 
 const std::string& cuda_prelude() {
   static const std::string text = R"PRELUDE(// ---- stagejit CUDA kernel prelude ----
@@ -30,10 +38,14 @@ struct stagejit_TensorArg {
   long long sizes[8];
   long long strides[8];
 };
-/// Every tensor of a launch, passed by value (inputs then outputs).
-struct stagejit_ArgPack {
-  stagejit_TensorArg t[24];
+/// The N tensors of a launch, passed by value (inputs then outputs); the launcher passes
+/// a buffer of kMaxCudaArgs tensors, of which the kernel's parameter reads the first N.
+template <int N>
+struct stagejit_Args {
+  stagejit_TensorArg t[N];
 };
+/// The pack of hand-written kernels: up to 24 tensors.
+typedef stagejit_Args<24> stagejit_ArgPack;
 /// Element offset of linear index i (row-major over the iteration shape) in t.
 __device__ __forceinline__ long long sj_offset(const stagejit_TensorArg& t, int rank, long long i) {
   long long off = 0;
@@ -51,6 +63,62 @@ __device__ __forceinline__ T sj_load(const stagejit_TensorArg& t, int rank, long
 template <class T>
 __device__ __forceinline__ void sj_store(const stagejit_TensorArg& t, int rank, long long i, T v) {
   static_cast<T*>(t.data)[sj_offset(t, rank, i)] = v;
+}
+/// 16-bit storage types (IEEE half, bfloat16), converted to and from float by the
+/// loads and stores below; computation happens in float.
+struct sj_half { unsigned short bits; };
+struct sj_bfloat16 { unsigned short bits; };
+/// Conversion of a stored element of type S to the compute type T and back.
+template <class T, class S>
+struct sj_convert {
+  static __device__ __forceinline__ T load(S s) { return static_cast<T>(s); }
+  static __device__ __forceinline__ S store(T v) { return static_cast<S>(v); }
+};
+template <class T>
+struct sj_convert<T, sj_half> {
+  static __device__ __forceinline__ T load(sj_half s) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s.bits));
+    return static_cast<T>(f);
+  }
+  static __device__ __forceinline__ sj_half store(T v) {
+    sj_half h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(static_cast<float>(v)));
+    return h;
+  }
+};
+template <class T>
+struct sj_convert<T, sj_bfloat16> {
+  static __device__ __forceinline__ T load(sj_bfloat16 s) {
+    return static_cast<T>(__uint_as_float(static_cast<unsigned>(s.bits) << 16));
+  }
+  static __device__ __forceinline__ sj_bfloat16 store(T v) {
+    // c10::BFloat16's round to nearest even; NaN stays a (quiet) NaN.
+    const float f = static_cast<float>(v);
+    unsigned u = __float_as_uint(f);
+    sj_bfloat16 b;
+    if (f != f) {
+      b.bits = 0x7fc0;
+    } else {
+      u += 0x7fffu + ((u >> 16) & 1u);
+      b.bits = static_cast<unsigned short>(u >> 16);
+    }
+    return b;
+  }
+};
+template <class T>
+struct sj_convert<T, bool> {
+  static __device__ __forceinline__ T load(bool s) { return s ? T(1) : T(0); }
+  static __device__ __forceinline__ bool store(T v) { return v != T(0); }
+};
+/// Element i of t (storage type S) in the compute type T, and back.
+template <class T, class S>
+__device__ __forceinline__ T sj_load_as(const stagejit_TensorArg& t, int rank, long long i) {
+  return sj_convert<T, S>::load(sj_load<S>(t, rank, i));
+}
+template <class T, class S>
+__device__ __forceinline__ void sj_store_as(const stagejit_TensorArg& t, int rank, long long i, T v) {
+  sj_store<S>(t, rank, i, sj_convert<T, S>::store(v));
 }
 #define SJ_GRID_STRIDE_LOOP(i, begin, end)                                                \
   for (long long i = (begin) + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (end); \
@@ -146,6 +214,7 @@ struct Driver {
   decltype(&::cuDeviceGetCount) device_count = nullptr;
   decltype(&::cuDeviceGet) device_get = nullptr;
   decltype(&::cuDeviceGetAttribute) attribute = nullptr;
+  decltype(&::cuDeviceGetName) name = nullptr;
   decltype(&::cuDevicePrimaryCtxRetain) ctx_retain = nullptr;
   decltype(&::cuCtxSetCurrent) ctx_set_current = nullptr;
   decltype(&::cuCtxSynchronize) ctx_synchronize = nullptr;
@@ -175,6 +244,7 @@ const Driver& driver() {
     t->device_count = symbol<decltype(t->device_count)>(lib, "cuDeviceGetCount");
     t->device_get = symbol<decltype(t->device_get)>(lib, "cuDeviceGet");
     t->attribute = symbol<decltype(t->attribute)>(lib, "cuDeviceGetAttribute");
+    t->name = symbol<decltype(t->name)>(lib, "cuDeviceGetName");
     t->ctx_retain = symbol<decltype(t->ctx_retain)>(lib, "cuDevicePrimaryCtxRetain");
     t->ctx_set_current = symbol<decltype(t->ctx_set_current)>(lib, "cuCtxSetCurrent");
     t->ctx_synchronize = symbol<decltype(t->ctx_synchronize)>(lib, "cuCtxSynchronize");
@@ -297,8 +367,10 @@ std::string compile_to_ptx(const std::string& source, const std::string& arch, c
     ~Destroy() { n.destroy(p); }
   } destroy{n, &prog};
   const std::string arch_opt = "--gpu-architecture=" + use_arch;
-  const char* opts[] = {arch_opt.c_str(), "--std=c++17"};
-  r = n.compile(prog, 2, opts);
+  // --fmad=false: no contraction of a*b+c into one rounding, so fused results round like
+  // ATen's op-by-op kernels (as the CPU backend's -ffp-contract=off).
+  const char* opts[] = {arch_opt.c_str(), "--std=c++17", "--fmad=false"};
+  r = n.compile(prog, 3, opts);
   std::size_t log_size = 0;
   std::string log;
   if (n.log_size(prog, &log_size) == NVRTC_SUCCESS && log_size > 1) {
@@ -329,6 +401,29 @@ bool cuda_driver_available() noexcept {
 }
 
 int cuda_device_count() noexcept { return cuda_driver_available() ? driver().devices : 0; }
+
+CudaDeviceInfo cuda_device_info(int device) {
+  const Driver& d = require_driver();
+  STAGEJIT_CHECK_AS(FusionError, device >= 0 && device < d.devices, "fusion: CUDA device ", device,
+                    " does not exist (", d.devices, " devices)");
+  CudaDeviceInfo info;
+  CUdevice dev = 0;
+  check_cu(d, d.device_get(&dev, device), "cuDeviceGet");
+  if (d.name) {
+    char name[256] = {};
+    if (d.name(name, sizeof name - 1, dev) == CUDA_SUCCESS) info.name = name;
+  }
+  auto attr = [&](CUdevice_attribute a) {
+    int v = 0;
+    return d.attribute(&v, a, dev) == CUDA_SUCCESS ? v : 0;
+  };
+  info.compute_capability = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) * 10 +
+                            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
+  info.multiprocessors = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
+  info.memory_clock_khz = attr(CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE);
+  info.memory_bus_width_bits = attr(CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH);
+  return info;
+}
 
 // ------------------------------------------------------------------- CudaKernel
 
@@ -394,6 +489,38 @@ struct CudaBackend::Impl {
   std::unordered_map<std::string, std::shared_future<std::shared_ptr<const CudaKernel>>> kernels;
   std::atomic<int64_t> compiles{0};
 
+  /// The PTX of `src` for `arch`, from the disk cache (`default_cache_dir()`, files
+  /// `cuda-<sha1 of prelude, source, entry, arch, NVRTC version>.ptx`, installed by
+  /// rename) or compiled by NVRTC and stored there. An unreadable cache is skipped.
+  std::string cached_ptx(const KernelSource& src, const std::string& arch) {
+    const std::string prelude = cuda_prelude();
+    const std::string hash =
+        c10::sha1(prelude + '\x01' + src.source + '\x01' + src.entry + '\x01' + arch + '\x01' + nvrtc_version()).str();
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::path dir = default_cache_dir();
+    const fs::path file = dir / ("cuda-" + hash + ".ptx");
+    {
+      std::ifstream in(file, std::ios::binary);
+      if (in) {
+        std::string ptx((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        if (ptx.find(".entry " + src.entry + "(") != std::string::npos) return ptx;
+      }
+    }
+    ++compiles;
+    std::string ptx = compile_to_ptx(prelude + "\n" + src.source, arch, src.entry + ".cu");
+    fs::create_directories(dir, ec);
+    const fs::path tmp = dir / ("cuda-" + hash + ".ptx.tmp" + std::to_string(::getpid()));
+    {
+      std::ofstream out(tmp, std::ios::binary);
+      out << ptx;
+      if (!out) return ptx;
+    }
+    fs::rename(tmp, file, ec);
+    if (ec) fs::remove(tmp, ec);
+    return ptx;
+  }
+
   std::shared_ptr<const CudaKernel> build(const KernelSource& src, int device) {
     const Driver& d = require_driver();
     use_device(d, device);
@@ -411,12 +538,10 @@ struct CudaBackend::Impl {
                         " (sm_", arch, "); its lowest architecture is compute_", archs.front());
       arch = best;
     }
-    ++compiles;
     auto impl = std::make_unique<CudaKernel::Impl>();
     impl->entry = src.entry;
     impl->device = device;
-    impl->ptx = compile_to_ptx(cuda_prelude() + "\n" + src.source, "compute_" + std::to_string(arch),
-                               src.entry + ".cu");
+    impl->ptx = cached_ptx(src, "compute_" + std::to_string(arch));
     char error_log[8192] = {};
     CUjit_option opts[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
     void* values[] = {error_log, reinterpret_cast<void*>(static_cast<uintptr_t>(sizeof(error_log) - 1))};
@@ -510,6 +635,7 @@ std::vector<int> nvrtc_supported_archs() { return {}; }
 std::string compile_to_ptx(const std::string&, const std::string&, const std::string&) { no_cuda(); }
 bool cuda_driver_available() noexcept { return false; }
 int cuda_device_count() noexcept { return 0; }
+CudaDeviceInfo cuda_device_info(int) { no_cuda(); }
 
 struct CudaKernel::Impl {
   std::string entry, ptx;
@@ -539,6 +665,15 @@ void cuda_synchronize(int) { no_cuda(); }
 CudaBackend& default_cuda_backend() {
   static CudaBackend backend;
   return backend;
+}
+
+void* current_cuda_stream(int device) {
+#ifdef STAGEJIT_TORCH_CUDA
+  return static_cast<void*>(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream());
+#else
+  (void)device;
+  return nullptr;
+#endif
 }
 
 }  // namespace stagejit::fusion

@@ -1,10 +1,13 @@
 // The single doctest main of stagejit's test executable. Suites are selected with
 // `--test-suite=NAME` (one `meson test` entry per suite). With STAGEJIT_TEST_CHILD set,
 // the process is a child spawned by a test and runs that entry instead (test/child.hpp).
+// With STAGEJIT_PTX_CHECK=1 every fused group of the run is also compiled in the CUDA
+// dialect with NVRTC (test/fusion/ptx_check.hpp).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <stagejit/testing/doctest.hpp>
 
 #include "child.hpp"
+#include "fusion/ptx_check.hpp"
 
 #include <cstdio>
 
@@ -19,5 +22,8 @@ int main(int argc, char** argv) {
     return it->second();
   }
   doctest::Context context(argc, argv);
-  return context.run();
+  stagejit::testing::install_ptx_check();  // STAGEJIT_PTX_CHECK=1: fusion/ptx_check.hpp
+  int rc = context.run();
+  if (stagejit::testing::report_ptx_check() > 0 && rc == 0) rc = 1;
+  return rc;
 }

@@ -9,7 +9,8 @@
 /// Built with CUDA support when the `cuda` Meson feature finds a toolkit.
 ///
 /// Generated code is written against the prelude (`cuda_prelude()`), which declares
-/// `stagejit_TensorArg` (as `TensorArg`), `stagejit_ArgPack { stagejit_TensorArg t[kMaxCudaArgs]; }`,
+/// `stagejit_TensorArg` (as `TensorArg`), `stagejit_Args<N> { stagejit_TensorArg t[N]; }` (the
+/// launch's N tensors, N <= `kMaxCudaArgs`), `stagejit_ArgPack` (= `stagejit_Args<24>`),
 /// `sj_offset(arg, rank, i)` (element offset of linear index `i`), `sj_load<T>(arg, rank, i)`,
 /// `sj_store<T>(arg, rank, i, v)` and the loop `SJ_GRID_STRIDE_LOOP(i, begin, end)`.
 /// Example (`tanh(a*b+c)*sigmoid(a)` in float):
@@ -50,7 +51,9 @@ std::string nvrtc_version();
 std::vector<int> nvrtc_supported_archs();
 
 /// Compiles complete CUDA C++ `source` (nothing is prepended) to PTX for the virtual
-/// architecture `arch` (`"compute_80"`; empty: the lowest NVRTC supports). `name` is
+/// architecture `arch` (`"compute_80"`; empty: the lowest NVRTC supports), C++17,
+/// without contracting multiply-adds (`--fmad=false`, fused results round like ATen's
+/// op-by-op kernels). `name` is
 /// the file name NVRTC shows in its log. Throws `FusionError` carrying the NVRTC log
 /// and the source when compilation fails, or when NVRTC is not available.
 std::string compile_to_ptx(const std::string& source, const std::string& arch = "",
@@ -61,6 +64,24 @@ bool cuda_driver_available() noexcept;
 
 /// Number of CUDA devices (0 without a driver or GPU).
 int cuda_device_count() noexcept;
+
+/// What the driver reports about one GPU (for benchmarks and reports).
+struct CudaDeviceInfo {
+  std::string name;
+  int compute_capability = 0;     ///< e.g. 90 for sm_90
+  int multiprocessors = 0;
+  int memory_clock_khz = 0;       ///< peak memory clock (0 when the driver does not say)
+  int memory_bus_width_bits = 0;  ///< global memory bus width (0 when the driver does not say)
+  /// Peak DRAM bandwidth, 2 (double data rate) x clock x bus width, in GB/s (1e9
+  /// bytes/s); 0 when clock or width is unknown.
+  double peak_bandwidth_gbs() const noexcept {
+    return 2.0 * memory_clock_khz * 1e3 * (memory_bus_width_bits / 8.0) / 1e9;
+  }
+};
+
+/// The driver's description of CUDA device `device`. Throws `FusionError` without a
+/// driver or for a device that does not exist.
+CudaDeviceInfo cuda_device_info(int device = 0);
 
 /// A kernel loaded into one device's primary context. Thread-safe.
 class CudaKernel {
@@ -89,7 +110,10 @@ class CudaKernel {
 };
 
 /// Compiles (NVRTC, for the device's architecture) and loads CUDA kernels, once per
-/// source and device; thread-safe like `CpuBackend`. Throws `FusionError` when CUDA is
+/// source and device (`build_once`, as `CpuBackend`); thread-safe. PTX is cached on disk
+/// beside the CPU kernels (`default_cache_dir()`, `cuda-<hash>.ptx`, the hash covering
+/// prelude, source, entry point, architecture and NVRTC version), so a later process
+/// loads it without compiling. Throws `FusionError` when CUDA is
 /// not available, compilation fails (with the NVRTC log) or loading fails.
 class CudaBackend {
  public:
@@ -102,7 +126,7 @@ class CudaBackend {
   /// (0 when negative).
   std::shared_ptr<const CudaKernel> get(const KernelSource& source);
 
-  /// Number of NVRTC compilations so far.
+  /// Number of NVRTC compilations so far (disk cache hits not counted).
   int64_t compiles() const noexcept;
 
  private:
@@ -112,6 +136,12 @@ class CudaBackend {
 
 /// The process-wide CUDA backend.
 CudaBackend& default_cuda_backend();
+
+/// The current CUDA stream of `device` as a `CUstream` (libtorch's
+/// `c10::cuda::getCurrentCUDAStream(device)`), where fused kernels on CUDA tensors are
+/// launched; null (the legacy default stream) when stagejit was built against a libtorch
+/// without CUDA (there are no CUDA tensors then).
+void* current_cuda_stream(int device);
 
 /// Device memory of one GPU (`cuMemAlloc`), freed on destruction; for tests and for
 /// callers without a CUDA-enabled libtorch. Throws `FusionError` on driver errors.

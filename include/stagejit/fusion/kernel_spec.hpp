@@ -20,8 +20,10 @@
 ///   computes the elements with linear index in `[begin, end)`. It is called from several
 ///   threads at once on disjoint ranges (`run_cpu_kernel`).
 /// - CUDA entry point (generated CUDA C++, NVRTC):
-///   `extern "C" __global__ void NAME(long long begin, long long end, int rank, stagejit_ArgPack pack)`
-///   with `pack.t[k]` the k-th `TensorArg`; a grid-stride loop covers `[begin, end)`.
+///   `extern "C" __global__ void NAME(long long begin, long long end, int rank, stagejit_Args<N> pack)`
+///   with `pack.t[k]` the k-th `TensorArg` of the N given (generated kernels: N = inputs +
+///   outputs; `stagejit_ArgPack` is `stagejit_Args<24>` for hand-written ones); a
+///   grid-stride loop covers `[begin, end)`.
 ///
 /// The preludes (`cpu_prelude()`, `cuda_prelude()`) declare `stagejit_TensorArg` with the
 /// same layout as `stagejit::fusion::TensorArg` and the loop helpers a generated body
@@ -40,9 +42,12 @@ namespace stagejit::fusion {
 
 /// Most dimensions a kernel's iteration shape may have (after merging contiguous runs).
 inline constexpr int kMaxDims = 8;
-/// Most tensors (inputs + outputs) one CUDA launch may take (the pack is passed by value
-/// as a kernel parameter, and parameters are limited to 4 KiB).
-inline constexpr int kMaxCudaArgs = 24;
+/// Most tensors (inputs + outputs) one CUDA launch may take. The pack is passed by value
+/// as a kernel parameter of N x 136 bytes: above 29 tensors it exceeds the classic 4 KiB
+/// and needs the 32 KiB parameters of CUDA 12.1+ on sm_70 or newer (an LSTM cell's
+/// backward group holds 33); NVRTC refuses it otherwise (FusionError: the group runs
+/// op by op).
+inline constexpr int kMaxCudaArgs = 128;
 
 /// One tensor as a kernel sees it: element pointer, sizes and element strides of the
 /// first `rank` dimensions (the rest unused). Standard layout; generated code declares

@@ -27,7 +27,7 @@
 /// later group of its stage (placed at the later anchor) when it feeds it or shares an
 /// input with it, every other reader of its values runs after that anchor, and both have
 /// one known iteration shape, device and non-bool input dtype, with at most 24 tensors
-/// between them (a CUDA launch's limit). Each merge saves a pass over memory: the
+/// between them (short argument lists; a CUDA launch takes up to 128). Each merge saves a pass over memory: the
 /// merged kernel reads the shared inputs once and never writes or re-reads the values
 /// that flowed between the groups, unless something else reads them.
 ///
@@ -356,7 +356,7 @@ inline size_t fuse(ir::Graph& graph) {
     infos.reserve(groups.size());
     for (size_t k = 0; k < groups.size(); ++k) infos.push_back(info_of(k));
     constexpr size_t kMaxScannedUses = 64;  // per shared input: keeps the search linear
-    constexpr size_t kMaxTensors = 24;      // inputs + outputs of a merged group (a CUDA launch's limit)
+    constexpr size_t kMaxTensors = 24;      // inputs + outputs of a merged group (kept short; kMaxCudaArgs is 128)
     std::vector<size_t> candidates;
     for (size_t l = 0; l < groups.size(); ++l) {
       if (groups[l].empty() || !infos[l].ok) continue;

@@ -30,6 +30,7 @@
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <stagejit/core/torch_compat.hpp>
 
 #include <cerrno>
 #include <cstddef>
@@ -65,10 +66,11 @@ class HostCachingAllocator final : public c10::Allocator {
 
   /// `n` bytes, 64-byte aligned. Throws `c10::Error` (via c10's allocator) or
   /// `std::bad_alloc` when the system is out of memory.
-  c10::DataPtr allocate(std::size_t n) const override {
+  c10::DataPtr allocate(std::size_t n) STAGEJIT_ALLOCATE_CONST override {
     if (n < kMinCachedBytes) return c10::GetDefaultCPUAllocator()->allocate(n);
     return const_cast<HostCachingAllocator*>(this)->allocate_cached(n);
   }
+  STAGEJIT_ALLOCATOR_COPY_DATA
   /// Frees a pointer from `raw_allocate` (ours or, below the threshold, c10's).
   c10::DeleterFnPtr raw_deleter() const override { return &HostCachingAllocator::free_raw; }
 
@@ -243,13 +245,14 @@ namespace detail {
 class ScopedHostAllocator final : public c10::Allocator {
  public:
   explicit ScopedHostAllocator(c10::Allocator* previous) : previous_(previous) {}
-  c10::DataPtr allocate(std::size_t n) const override {
+  c10::DataPtr allocate(std::size_t n) STAGEJIT_ALLOCATE_CONST override {
     if (n >= HostCachingAllocator::kMinCachedBytes && HostCacheScope::active())
       return HostCachingAllocator::get().allocate(n);
     return previous_->allocate(n);
   }
   // Raw blocks come from either allocator; `free_raw` tells them apart.
   c10::DeleterFnPtr raw_deleter() const override { return HostCachingAllocator::get().raw_deleter(); }
+  STAGEJIT_ALLOCATOR_COPY_DATA
 
  private:
   c10::Allocator* previous_;

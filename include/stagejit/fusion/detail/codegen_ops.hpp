@@ -1,11 +1,13 @@
 #pragma once
 /// \file
-/// Internals of the fusion code generator: per-op C++ expressions over `sjk::Vec<T>`
+/// Internals of the fusion code generator, in two dialects. CPU: per-op C++ expressions over `sjk::Vec<T>`
 /// (ATen `Vectorized<T>`), built from the op table's `fusion_template` (finalised: operands
 /// and attributes substituted, numeric literals turned into `V(T(x))`, math functions
 /// mapped to Vectorized members) or overridden where ATen's CPU kernels differ from the
 /// template's scalar C form (fmadd for add/sub/rsub, NaN-propagating clamp/relu/maximum/
 /// minimum, pow's special exponents, comparisons yielding 1/0, blends for where/masked_fill).
+/// CUDA (`cuda_op_expression`): scalar expressions in the compute type `T`, one thread
+/// per element, following ATen's CUDA kernels.
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
@@ -25,8 +27,10 @@ namespace stagejit::fusion::detail {
 
 /// Helpers emitted before each generated kernel (global namespace, after the prelude).
 inline constexpr std::string_view kernel_helpers = R"HELPERS(#include <limits>
-template <class T>
-inline at::vec::Vectorized<T> operator-(const at::vec::Vectorized<T>& a) { return a.neg(); }
+// Unary minus: libtorch 1.13's Vectorized has none; 2.x's (Vectorized<T>, more
+// specialised) wins overload resolution over this fallback where it exists.
+template <class X>
+inline auto operator-(const X& a) -> decltype(a.neg()) { return a.neg(); }
 namespace sjf {
 template <class X> inline X exp(const X& a) { return a.exp(); }
 template <class X> inline X log(const X& a) { return a.log(); }
@@ -44,13 +48,48 @@ template <class X> inline X sign(const X& a) {
 }  // namespace sjf
 )HELPERS";
 
-/// `V(T(x))` for a double, with NaN and infinities spelled through numeric_limits.
-inline std::string literal(double x) {
-  if (std::isnan(x)) return "V(std::numeric_limits<T>::quiet_NaN())";
-  if (std::isinf(x)) return x > 0 ? "V(std::numeric_limits<T>::infinity())" : "V(-std::numeric_limits<T>::infinity())";
+/// Helpers emitted before each generated CUDA kernel (after the CUDA prelude): the math
+/// functions of the op templates as `sjf_*` overloads for float and double (no fast-math
+/// forms: `tanhf` is exact to a few ulp and saturates to +-1), NaN and infinity.
+inline constexpr std::string_view cuda_kernel_helpers = R"HELPERS(
+template <class T> __device__ __forceinline__ T sj_nan();
+template <> __device__ __forceinline__ float sj_nan<float>() { return __int_as_float(0x7fc00000); }
+template <> __device__ __forceinline__ double sj_nan<double>() { return __longlong_as_double(0x7ff8000000000000LL); }
+template <class T> __device__ __forceinline__ T sj_inf();
+template <> __device__ __forceinline__ float sj_inf<float>() { return __int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double sj_inf<double>() { return __longlong_as_double(0x7ff0000000000000LL); }
+#define SJ_MATH1(name, f, d) \
+  __device__ __forceinline__ float sjf_##name(float a) { return f(a); } \
+  __device__ __forceinline__ double sjf_##name(double a) { return d(a); }
+SJ_MATH1(exp, expf, exp)
+SJ_MATH1(log, logf, log)
+SJ_MATH1(tanh, tanhf, tanh)
+SJ_MATH1(sqrt, sqrtf, sqrt)
+SJ_MATH1(rsqrt, rsqrtf, rsqrt)
+SJ_MATH1(sin, sinf, sin)
+SJ_MATH1(cos, cosf, cos)
+SJ_MATH1(fabs, fabsf, fabs)
+#undef SJ_MATH1
+__device__ __forceinline__ float sjf_pow(float a, float b) { return powf(a, b); }
+__device__ __forceinline__ double sjf_pow(double a, double b) { return pow(a, b); }
+/// ATen's CUDA clamp: NaN stays NaN.
+template <class T> __device__ __forceinline__ T sj_clamp_min(T a, T lo) { return a != a ? a : (a < lo ? lo : a); }
+template <class T> __device__ __forceinline__ T sj_clamp_max(T a, T hi) { return a != a ? a : (a > hi ? hi : a); }
+)HELPERS";
+
+/// `V(T(x))` (CPU) or `T(x)` (CUDA) for a double, with NaN and infinities spelled
+/// through numeric_limits (CPU) or `sj_nan<T>()`/`sj_inf<T>()` (CUDA).
+inline std::string literal(double x, bool cuda = false) {
+  if (cuda) {
+    if (std::isnan(x)) return "sj_nan<T>()";
+    if (std::isinf(x)) return x > 0 ? "sj_inf<T>()" : "(-sj_inf<T>())";
+  } else {
+    if (std::isnan(x)) return "V(std::numeric_limits<T>::quiet_NaN())";
+    if (std::isinf(x)) return x > 0 ? "V(std::numeric_limits<T>::infinity())" : "V(-std::numeric_limits<T>::infinity())";
+  }
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.17g", x);
-  return std::string("V(T(") + buf + "))";
+  return cuda ? std::string("T(") + buf + ")" : std::string("V(T(") + buf + "))";
 }
 
 /// Attribute `key` of `op` as a double (int attributes converted), if present.
@@ -64,9 +103,12 @@ inline std::optional<double> number_attribute(const ir::Op& op, std::string_view
 }
 
 /// Fills an op table template: `$k` -> operands[k], `$name` -> the attribute as a literal,
-/// numbers -> literals, `exp(`/`log(`/... -> `sjf::` helpers. Throws FusionError for a
-/// function or ternary the Vectorized form cannot express.
-inline std::string finalise_template(std::string_view tpl, const ir::Op& op, const std::vector<std::string>& operands) {
+/// numbers -> literals, `exp(`/`log(`/... -> `sjf::` helpers (CPU) or `sjf_` overloads
+/// (`cuda`). Throws FusionError for a function the dialect lacks, and on the CPU for a
+/// comparison or ternary (the Vectorized form cannot express them; the CUDA dialect is
+/// scalar and keeps them).
+inline std::string finalise_template(std::string_view tpl, const ir::Op& op, const std::vector<std::string>& operands,
+                                     bool cuda = false) {
   std::string out;
   size_t i = 0;
   auto fail = [&](const std::string& why) {
@@ -86,13 +128,13 @@ inline std::string finalise_template(std::string_view tpl, const ir::Op& op, con
       } else {
         auto v = number_attribute(op, ref);
         if (!v) fail("attribute '" + ref + "' missing");
-        out += literal(*v);
+        out += literal(*v, cuda);
       }
       i = j;
     } else if (std::isdigit(static_cast<unsigned char>(c)) || (c == '.' && i + 1 < tpl.size() && std::isdigit(static_cast<unsigned char>(tpl[i + 1])))) {
       size_t j = i;
       while (j < tpl.size() && (std::isalnum(static_cast<unsigned char>(tpl[j])) || tpl[j] == '.')) ++j;
-      out += literal(std::stod(std::string(tpl.substr(i, j - i))));
+      out += literal(std::stod(std::string(tpl.substr(i, j - i))), cuda);
       i = j;
     } else if (std::isalpha(static_cast<unsigned char>(c)) || c == '_') {
       size_t j = i;
@@ -100,9 +142,9 @@ inline std::string finalise_template(std::string_view tpl, const ir::Op& op, con
       const std::string name(tpl.substr(i, j - i));
       static const std::vector<std::string_view> known = {"exp", "log", "tanh", "sqrt", "sin", "cos", "fabs", "pow"};
       if (std::find(known.begin(), known.end(), name) == known.end()) fail("unknown function '" + name + "'");
-      out += "sjf::" + name;
+      out += (cuda ? "sjf_" : "sjf::") + name;
       i = j;
-    } else if (c == '?' || c == '<' || c == '>' || c == '=' || c == '!' || c == '&' || c == '|') {
+    } else if (!cuda && (c == '?' || c == '<' || c == '>' || c == '=' || c == '!' || c == '&' || c == '|')) {
       fail("comparisons and conditionals need an override");
     } else {
       out += c;
@@ -229,6 +271,125 @@ inline std::string op_expression(const ir::Node& node, const std::vector<std::st
   }
   if (schema.fusion_template.empty()) throw FusionError("fusion: op '" + name + "' has no fusion template");
   return finalise_template(schema.fusion_template, *op, a);
+}
+
+
+/// The CUDA dialect of `op_expression`: a scalar expression of type `T` (the compute
+/// type; `operands` are expressions of type T, booleans held as 1/0) with ATen's CUDA
+/// semantics: `a + alpha * b` for add/sub/rsub, NaN-propagating relu/clamp/maximum/
+/// minimum, pow's special exponents (ATen's pow_tensor_scalar), `rsqrt`, comparisons and
+/// logical_and yielding 1/0, selects for where/masked_fill/threshold. Literals are `T(x)`.
+/// Throws FusionError for ops it cannot express (`to`, non-elementwise or unknown ops).
+inline std::string cuda_op_expression(const ir::Node& node, const std::vector<std::string>& operands,
+                                      const std::vector<bool>& operand_bool, bool& result_bool) {
+  const auto* op = node.get_if<ir::Op>();
+  if (!op) throw FusionError("fusion: node #" + std::to_string(node.id()) + " (" + node.describe() + ") is not an op");
+  const OpSchema& schema = op->schema();
+  const std::string name(op->name());
+  if (op->id() == OpId::unknown)
+    throw FusionError("fusion: unknown op '" + name + "' (not in the op table, ops/op_schema.hpp)");
+  if (!schema.elementwise)
+    throw FusionError("fusion: op '" + name + "' is not elementwise and cannot be fused");
+  std::vector<std::string> a = operands;
+  auto need = [&](size_t n) {
+    if (a.size() != n)
+      throw FusionError("fusion: op '" + name + "' expects " + std::to_string(n) + " operands here, got " +
+                        std::to_string(a.size()));
+  };
+  auto lit = [](double x) { return literal(x, true); };
+  auto scalar_second = [&](std::string_view key) {
+    if (a.size() == 1) {
+      auto v = number_attribute(*op, key);
+      if (!v) throw FusionError("fusion: op '" + name + "' with one input needs attribute '" + std::string(key) + "'");
+      a.push_back(lit(*v));
+    }
+  };
+  result_bool = false;
+  switch (op->id()) {
+    case OpId::add:
+    case OpId::sub:
+    case OpId::rsub: {
+      scalar_second("other");
+      need(2);
+      const double alpha = number_attribute(*op, "alpha").value_or(1.0);
+      const std::string scaled = alpha == 1.0 ? "" : lit(alpha) + " * ";
+      if (op->id() == OpId::add) return "(" + a[0] + " + " + scaled + a[1] + ")";
+      if (op->id() == OpId::sub) return "(" + a[0] + " - " + scaled + a[1] + ")";
+      return "(" + a[1] + " - " + scaled + a[0] + ")";
+    }
+    case OpId::mul:
+    case OpId::div:
+      scalar_second("other");
+      break;  // the template
+    case OpId::pow: {
+      if (a.size() == 1) {
+        const double e = number_attribute(*op, "exponent").value_or(1.0);
+        const std::string& x = a[0];
+        if (e == 0.5) return "sjf_sqrt(" + x + ")";
+        if (e == 2) return "(" + x + " * " + x + ")";
+        if (e == 3) return "(" + x + " * " + x + " * " + x + ")";
+        if (e == -0.5) return "sjf_rsqrt(" + x + ")";
+        if (e == -1) return "(" + lit(1) + " / " + x + ")";
+        if (e == -2) return "(" + lit(1) + " / (" + x + " * " + x + "))";
+        return "sjf_pow(" + x + ", " + lit(e) + ")";
+      }
+      need(2);
+      return "sjf_pow(" + a[0] + ", " + a[1] + ")";
+    }
+    case OpId::rsqrt:
+      need(1);
+      return "sjf_rsqrt(" + a[0] + ")";
+    case OpId::relu:
+      need(1);
+      return "sj_clamp_min(" + a[0] + ", " + lit(0) + ")";
+    case OpId::clamp: {
+      need(1);
+      auto lo = number_attribute(*op, "min"), hi = number_attribute(*op, "max");
+      std::string e = a[0];
+      if (lo) e = "sj_clamp_min(" + e + ", " + lit(*lo) + ")";
+      if (hi) e = "sj_clamp_max(" + e + ", " + lit(*hi) + ")";
+      return e;
+    }
+    case OpId::sign:
+      need(1);
+      return "T((" + lit(0) + " < " + a[0] + ") - (" + a[0] + " < " + lit(0) + "))";
+    case OpId::eq: case OpId::ne: case OpId::lt: case OpId::le: case OpId::gt: case OpId::ge: {
+      scalar_second("other");
+      need(2);
+      result_bool = true;
+      static const char* const ops[] = {"==", "!=", "<", "<=", ">", ">="};
+      const int k = op->id() == OpId::eq ? 0 : op->id() == OpId::ne ? 1 : op->id() == OpId::lt ? 2
+                  : op->id() == OpId::le ? 3 : op->id() == OpId::gt ? 4 : 5;
+      return "T(" + a[0] + " " + ops[k] + " " + a[1] + ")";
+    }
+    case OpId::logical_and:
+      need(2);
+      result_bool = true;
+      return "T(" + a[0] + " != " + lit(0) + " && " + a[1] + " != " + lit(0) + ")";
+    case OpId::where:
+      need(3);
+      result_bool = operand_bool[1] && operand_bool[2];
+      return "(" + a[0] + " != " + lit(0) + " ? " + a[1] + " : " + a[2] + ")";
+    case OpId::masked_fill: {
+      need(2);
+      auto v = number_attribute(*op, "value");
+      if (!v) throw FusionError("fusion: op 'masked_fill' needs attribute 'value'");
+      result_bool = operand_bool[0];
+      return "(" + a[1] + " != " + lit(0) + " ? " + lit(*v) + " : " + a[0] + ")";
+    }
+    case OpId::threshold: {
+      need(1);
+      auto thr = number_attribute(*op, "threshold"), v = number_attribute(*op, "value");
+      if (!thr || !v) throw FusionError("fusion: op 'threshold' needs attributes 'threshold' and 'value'");
+      return "(" + a[0] + " <= " + lit(*thr) + " ? " + lit(*v) + " : " + a[0] + ")";
+    }
+    case OpId::to:
+      throw FusionError("fusion: op 'to' (a dtype cast) is not fused");
+    default:
+      break;  // the template
+  }
+  if (schema.fusion_template.empty()) throw FusionError("fusion: op '" + name + "' has no fusion template");
+  return finalise_template(schema.fusion_template, *op, a, true);
 }
 
 }  // namespace stagejit::fusion::detail
