@@ -1,11 +1,13 @@
 // fusion::generate + run_fused: generated CPU kernels against ATen eager run node by node
 // (ops::run_forward through run_unfused), shapes, layouts, dtypes, special values, and
 // the fallback when no compiler is available.
+#include <ATen/Parallel.h>
 #include <stagejit/fusion/codegen.hpp>
 #include <stagejit/ir/ir.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include "check_close.hpp"
+#include "groups.hpp"
 
 #include <cmath>
 #include <cstring>
@@ -89,21 +91,7 @@ TEST_SUITE("fusion") {
   TEST_CASE("run_fused: NaN and infinities through maximum/minimum/clamp/relu, saturating tanh/sigmoid, 1.5 / x") {
     const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
     const std::vector<double> vals = {nan, inf, -inf, 0.0, -0.0, 1.0, -2.5, 50, -50, -100, 3e38, 1e-30};
-    const std::string text = R"(graph(%x : Float(12), %y : Float(12)) {
-  %0 : Float(12) = maximum(%x, %y);
-  %1 : Float(12) = minimum(%x, %y);
-  %2 : Float(12) = clamp[min=-1, max=2](%x);
-  %3 : Float(12) = relu(%x);
-  %4 : Float(12) = tanh(%x);
-  %5 : Float(12) = sigmoid(%x);
-  %6 : Float(12) = reciprocal(%x);
-  %7 : Float(12) = mul[other=1.5](%6);
-  %8 : Float(12) = clamp[min=0.5](%y);
-  %9 : Float(12) = div(%x, %y);
-  %10 : Float(12) = add(%0, %1);
-  return (%0, %1, %2, %3, %4, %5, %7, %8, %9, %10);
-}
-)";
+    const std::string& text = stagejit::fusion::testing::special_values_group;  // groups.hpp
     for (auto dtype : {at::kFloat, at::kDouble}) {
       CAPTURE(dtype);
       auto x = at::tensor(vals, at::TensorOptions().dtype(at::kDouble)).to(dtype);

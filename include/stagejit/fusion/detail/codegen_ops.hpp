@@ -154,25 +154,35 @@ inline std::string finalise_template(std::string_view tpl, const ir::Op& op, con
   return out;
 }
 
+/// `node` as an elementwise op of the table, or a FusionError saying why it cannot be
+/// fused (not an op, an unknown op, not elementwise); shared by both dialects.
+inline const ir::Op& fusable_op(const ir::Node& node) {
+  const auto* op = node.get_if<ir::Op>();
+  if (!op) throw FusionError("fusion: node #" + std::to_string(node.id()) + " (" + node.describe() + ") is not an op");
+  const std::string name(op->name());
+  if (op->id() == OpId::unknown)
+    throw FusionError("fusion: unknown op '" + name + "' (not in the op table, ops/op_schema.hpp)");
+  if (!op->schema().elementwise)
+    throw FusionError("fusion: op '" + name + "' is not elementwise and cannot be fused");
+  return *op;
+}
+
+inline void check_operand_count(const std::string& name, size_t have, size_t want) {
+  if (have != want)
+    throw FusionError("fusion: op '" + name + "' expects " + std::to_string(want) + " operands here, got " +
+                      std::to_string(have));
+}
+
 /// The expression computing `node` (an elementwise Op) from `operands` (C++ expressions
 /// of type V), and whether its result is boolean (stored as 1/0 in T). `operand_bool`
 /// tells which operands are boolean. Throws FusionError for ops it cannot express.
 inline std::string op_expression(const ir::Node& node, const std::vector<std::string>& operands,
                                  const std::vector<bool>& operand_bool, bool& result_bool) {
-  const auto* op = node.get_if<ir::Op>();
-  if (!op) throw FusionError("fusion: node #" + std::to_string(node.id()) + " (" + node.describe() + ") is not an op");
+  const ir::Op* op = &fusable_op(node);
   const OpSchema& schema = op->schema();
   const std::string name(op->name());
-  if (op->id() == OpId::unknown)
-    throw FusionError("fusion: unknown op '" + name + "' (not in the op table, ops/op_schema.hpp)");
-  if (!schema.elementwise)
-    throw FusionError("fusion: op '" + name + "' is not elementwise and cannot be fused");
   std::vector<std::string> a = operands;
-  auto need = [&](size_t n) {
-    if (a.size() != n)
-      throw FusionError("fusion: op '" + name + "' expects " + std::to_string(n) + " operands here, got " +
-                        std::to_string(a.size()));
-  };
+  auto need = [&](size_t n) { check_operand_count(name, a.size(), n); };
   // Scalar forms: the attribute `other` (or `exponent`) is the second operand.
   auto scalar_second = [&](std::string_view key) {
     if (a.size() == 1) {
@@ -282,20 +292,11 @@ inline std::string op_expression(const ir::Node& node, const std::vector<std::st
 /// Throws FusionError for ops it cannot express (`to`, non-elementwise or unknown ops).
 inline std::string cuda_op_expression(const ir::Node& node, const std::vector<std::string>& operands,
                                       const std::vector<bool>& operand_bool, bool& result_bool) {
-  const auto* op = node.get_if<ir::Op>();
-  if (!op) throw FusionError("fusion: node #" + std::to_string(node.id()) + " (" + node.describe() + ") is not an op");
+  const ir::Op* op = &fusable_op(node);
   const OpSchema& schema = op->schema();
   const std::string name(op->name());
-  if (op->id() == OpId::unknown)
-    throw FusionError("fusion: unknown op '" + name + "' (not in the op table, ops/op_schema.hpp)");
-  if (!schema.elementwise)
-    throw FusionError("fusion: op '" + name + "' is not elementwise and cannot be fused");
   std::vector<std::string> a = operands;
-  auto need = [&](size_t n) {
-    if (a.size() != n)
-      throw FusionError("fusion: op '" + name + "' expects " + std::to_string(n) + " operands here, got " +
-                        std::to_string(a.size()));
-  };
+  auto need = [&](size_t n) { check_operand_count(name, a.size(), n); };
   auto lit = [](double x) { return literal(x, true); };
   auto scalar_second = [&](std::string_view key) {
     if (a.size() == 1) {
