@@ -350,8 +350,9 @@ void print_summary(const std::vector<std::unique_ptr<Trainer>>& trainers) {
                 (long long)r.evaluations, ms, ratio, tr->seconds());
   }
   std::printf("ms/eval: mean time of one loss-and-gradient evaluation in the L-BFGS phase (Adam if\n"
-              "no L-BFGS ran); vs libtorch: libtorch's ms/eval divided by the mode's (> 1: faster).\n"
-              "* L-BFGS stopped before its budget on a tolerance (converged or stalled).\n");
+              "no L-BFGS ran); vs libtorch: libtorch's ms/eval divided by the mode's (> 1: faster).\n");
+  if (std::any_of(trainers.begin(), trainers.end(), [](const auto& tr) { return tr->converged(); }))
+    std::printf("* L-BFGS stopped before its budget on a tolerance (converged or stalled).\n");
 }
 
 /// Option checks with short messages (CLI11's PositiveNumber prints the range up to
