@@ -215,6 +215,13 @@ STAGEJIT_FUNC double reduced_count(const BackwardArgs& a) {
   return n;
 }
 
+// The ops for models, each group in its own file (included at the end of this one):
+// ops/nn-inl.hpp (convolution, pooling, normalisation, gather, scatter_add) and
+// ops/tensor_ops-inl.hpp (activations, embeddings and indexing, batched products, shapes,
+// reductions, losses, dropout).
+template <class Def> void define_nn_ops(Def& def);
+template <class Def> void define_tensor_ops(Def& def);
+
 // The table, indexed by OpId: each op's schema (ops/op_schema.hpp) with its forward and
 // backward formula. Every id gets exactly one entry (checked when the table is built).
 STAGEJIT_FUNC std::array<OpDef, num_ops> build_table() {
@@ -621,6 +628,8 @@ STAGEJIT_FUNC std::array<OpDef, num_ops> build_table() {
          Variable d = mul(mul(sub(In(a, 0), In(a, 1)), norm), G(a));
          return {a.needs(0) ? d : Variable(), a.needs(1) ? neg(d) : Variable()};
        });
+  define_nn_ops(def);
+  define_tensor_ops(def);
   for (std::size_t i = 0; i < num_ops; ++i)
     if (!filled[i])
       throw Error(detail::str_cat("op table: op '", op_schemas[i].name, "' has no forward"));
@@ -923,6 +932,9 @@ STAGEJIT_FUNC Variable operator/(double a, const Variable& b) { return mul(recip
 STAGEJIT_FUNC Variable operator-(const Variable& a) { return neg(a); }
 
 }  // namespace stagejit
+
+#include <stagejit/ops/nn-inl.hpp>
+#include <stagejit/ops/tensor_ops-inl.hpp>
 
 #undef SJ_UNARY
 #undef SJ_OP

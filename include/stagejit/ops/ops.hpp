@@ -138,4 +138,8 @@ Variable operator/(double a, const Variable& b);
 Variable operator-(const Variable& a);
 
 }  // namespace stagejit
+
+// The ops for models (docs/api.md "Ops for models").
+#include <stagejit/ops/nn.hpp>
+#include <stagejit/ops/tensor_ops.hpp>
 #include <stagejit/core/detail/bodies_end.hpp>
