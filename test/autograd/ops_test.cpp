@@ -282,6 +282,17 @@ TEST_SUITE("autograd") {
                   [](const TL& x) { return TL{torch::maximum(x[0], x[1])}; }, 1);
     oracle::check("clamp nan", {a}, {true}, [](const VL& x) { return VL{sj::clamp(x[0], -1.0, 1.0)}; },
                   [](const TL& x) { return TL{x[0].clamp(-1.0, 1.0)}; }, 1);
+    // At the bounds themselves the gradient follows the libtorch built against (it passes
+    // up to 2.13, not from 2.14 on: ops/ops-inl.hpp).
+    const at::Tensor edges = at::tensor({-1.0, 1.0, -0.5, 2.0, -2.0}, at::kDouble);
+    oracle::check("clamp at its bounds", {edges}, {true}, [](const VL& x) { return VL{sj::clamp(x[0], -1.0, 1.0)}; },
+                  [](const TL& x) { return TL{x[0].clamp(-1.0, 1.0)}; }, 1);
+    oracle::check("clamp_min at its bound", {edges}, {true},
+                  [](const VL& x) { return VL{sj::clamp(x[0], -1.0, std::nullopt)}; },
+                  [](const TL& x) { return TL{x[0].clamp_min(-1.0)}; }, 1);
+    oracle::check("clamp_max at its bound", {edges}, {true},
+                  [](const VL& x) { return VL{sj::clamp(x[0], std::nullopt, 1.0)}; },
+                  [](const TL& x) { return TL{x[0].clamp_max(1.0)}; }, 1);
     oracle::check("relu nan", {a}, {true}, [](const VL& x) { return VL{sj::relu(x[0])}; },
                   [](const TL& x) { return TL{x[0].relu()}; }, 1);
     sj::Variable big(at::tensor({50.0, -50.0}, at::kDouble), true);

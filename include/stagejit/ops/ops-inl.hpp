@@ -14,6 +14,7 @@
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/core/aten_error.hpp>
 #include <stagejit/core/error.hpp>
+#include <stagejit/core/torch_compat.hpp>
 #include <stagejit/ops/op_def.hpp>
 #include <stagejit/ops/ops.hpp>
 #include <stagejit/ops/small_gemm.hpp>
@@ -358,10 +359,22 @@ STAGEJIT_FUNC std::array<OpDef, num_ops> build_table() {
        [](const BackwardArgs& a) -> variable_list {
          auto lo = attr_opt_double(a.attrs, "min"), hi = attr_opt_double(a.attrs, "max");
          const Variable& x = In(a, 0);
+         // The gradient passes where the input is inside the bounds. At a bound itself:
+         // libtorch up to 2.13 passes it (the closed interval), from 2.14 it does not (the
+         // minimum-norm subgradient, pytorch/pytorch#191142; measured: 2.13.0 gives 1 at
+         // x == min and x == max, 2.14.1 and 2.15.0 give 0). stagejit follows the
+         // libtorch it is built against (core/torch_compat.hpp).
+#if STAGEJIT_TORCH_VERSION_AT_LEAST(2, 14)
+         auto above = [](const Variable& v, double b) { return gt(v, b); };
+         auto below = [](const Variable& v, double b) { return lt(v, b); };
+#else
+         auto above = [](const Variable& v, double b) { return ge(v, b); };
+         auto below = [](const Variable& v, double b) { return le(v, b); };
+#endif
          Variable cond;
-         if (lo && hi) cond = logical_and(ge(x, *lo), le(x, *hi));
-         else if (lo) cond = ge(x, *lo);
-         else if (hi) cond = le(x, *hi);
+         if (lo && hi) cond = logical_and(above(x, *lo), below(x, *hi));
+         else if (lo) cond = above(x, *lo);
+         else if (hi) cond = below(x, *hi);
          else return {G(a)};
          return {where(cond, G(a), zeros_like(G(a)))};
        });
