@@ -190,6 +190,7 @@ TEST_SUITE("models") {
         {"stride 2, output_padding 1", {2, 4, 4, 3}, {4, 3, 3, 3}, {2, 2}, {1, 1}, {1, 1}, 1, {1, 1}, false},
         {"groups, dilation, batch 1", {1, 4, 3, 3}, {4, 2, 2, 3}, {1, 2}, {0, 1}, {0, 1}, 2, {2, 1}, false},
         {"channels-last", {2, 3, 3, 4}, {3, 2, 3, 2}, {2, 1}, {1, 0}, {0, 0}, 1, {1, 1}, true},
+        {"output_padding >= stride (< dilation)", {1, 2, 3, 4}, {2, 3, 2, 3}, {1, 2}, {0, 1}, {1, 2}, 1, {2, 3}, false},
     };
     for (const auto& c : cases) {
       std::vector<at::Tensor> in = {rnd(c.x), rnd(c.w)};
@@ -594,6 +595,35 @@ TEST_SUITE("models") {
     };
     check_op("scatter_add non-contiguous", {rnd({4, 3}).t(), index0, rnd({4, 2}).t()}, {true, false, true}, sj_fn,
              torch_fn, 2);
+  }
+
+  TEST_CASE("a small CNN of these ops, eager and compiled with two derivatives, equals libtorch") {
+    at::manual_seed(207);
+    // conv - batch_norm (training) - tanh - max_pool - grouped conv - group_norm -
+    // adaptive_avg_pool - layer_norm - linear, and the sum of squares.
+    auto rm = std::make_shared<std::pair<at::Tensor, at::Tensor>>(at::zeros({3}, at::kDouble), at::ones({3}, at::kDouble));
+    auto trm = std::make_shared<std::pair<at::Tensor, at::Tensor>>(rm->first.clone(), rm->second.clone());
+    SjFn sj_fn = [rm](const sj::variable_list& v) -> sj::variable_list {
+      auto h = sj::conv2d(v[0], v[1], v[2], {1, 1}, {1, 1});
+      h = sj::tanh(sj::batch_norm(h, v[3], v[4], rm->first, rm->second, true));
+      h = sj::max_pool2d(h, {2, 2}, {}, {0, 0}, {1, 1}, true);
+      h = sj::group_norm(sj::conv2d(h, v[5], {}, {1, 1}, {0, 0}, {1, 1}, 1), 2);
+      h = sj::reshape(sj::adaptive_avg_pool2d(h, {1, 1}), {2, 4});
+      h = sj::mm(sj::layer_norm(h, {4}), v[6]);
+      return {sj::sum(sj::mul(h, h))};
+    };
+    TorchFn torch_fn = [trm](const std::vector<torch::Tensor>& v) -> std::vector<torch::Tensor> {
+      auto h = torch::conv2d(v[0], v[1], v[2], {1, 1}, {1, 1});
+      h = torch::tanh(torch::batch_norm(h, v[3], v[4], trm->first, trm->second, true, 0.1, 1e-5, false));
+      h = torch::max_pool2d(h, {2, 2}, {}, {0, 0}, {1, 1}, true);
+      h = torch::group_norm(torch::conv2d(h, v[5]), 2);
+      h = torch::adaptive_avg_pool2d(h, {1, 1}).reshape({2, 4});
+      h = torch::mm(torch::layer_norm(h, {4}), v[6]);
+      return {(h * h).sum()};
+    };
+    std::vector<at::Tensor> in = {rnd({2, 1, 5, 5}), rnd({3, 1, 3, 3}), rnd({3}), rnd({3}), rnd({3}),
+                                  rnd({4, 3, 2, 2}), rnd({4, 2})};
+    check_op("cnn", in, std::vector<bool>(in.size(), true), sj_fn, torch_fn, 2);
   }
 
   TEST_CASE("finite differences: gradcheck and gradgradcheck of every op on small cases") {

@@ -248,11 +248,29 @@ void define_nn_ops(Def& def) {
           if (a.needs(1)) r[1] = conv_weight_grad(x, g, meta_sizes(a, 1), stride, padding, dilation, groups);
         } else {
           // y = conv_transpose(x, w), the adjoint of conv(., w): dx = conv(g, w), and dw
-          // the weight gradient of conv(g, w) at grad_output x.
-          if (a.needs(0))
-            r[0] = convolution_op(g, w, {}, stride, padding, dilation, false,
-                                  std::vector<int64_t>(stride.size(), 0), groups);
-          if (a.needs(1)) r[1] = conv_weight_grad(g, x, meta_sizes(a, 1), stride, padding, dilation, groups);
+          // the weight gradient of conv(g, w) at grad_output x. An output_padding of at
+          // least the stride (allowed below the dilation) makes conv(g, w) longer than x
+          // by output_padding / stride: the extra positions lie outside x, so dx drops
+          // them and dw sees x padded with zeros there.
+          const auto& xs = a.input_meta[0].sizes;
+          const auto output_padding = attr_ints(a.attrs, "output_padding");
+          if (a.needs(0)) {
+            Variable gx = convolution_op(g, w, {}, stride, padding, dilation, false,
+                                         std::vector<int64_t>(stride.size(), 0), groups);
+            for (std::size_t i = 0; i < stride.size(); ++i)
+              if (output_padding[i] >= stride[i]) gx = narrow(gx, static_cast<int64_t>(i + 2), 0, xs[i + 2]);
+            r[0] = gx;
+          }
+          if (a.needs(1)) {
+            Variable xp = x;
+            for (std::size_t i = 0; i < stride.size(); ++i) {
+              if (output_padding[i] < stride[i]) continue;
+              auto extra = vec(xp.sizes());
+              extra[i + 2] = output_padding[i] / stride[i];
+              xp = cat({xp, zeros_of(extra, a.input_meta[0].options)}, static_cast<int64_t>(i + 2));
+            }
+            r[1] = conv_weight_grad(g, xp, meta_sizes(a, 1), stride, padding, dilation, groups);
+          }
         }
         if (r.size() == 3 && a.needs(2)) r[2] = sum(g, dims_except(g.dim(), 1));
         return r;
