@@ -400,6 +400,38 @@ TEST_SUITE("models") {
     CHECK(norms == 1);
   }
 
+  TEST_CASE("batch_norm: passes neither merge two identical calls nor remove one whose result is unused") {
+    at::manual_seed(208);
+    at::Tensor sj_mean = at::zeros({2}, at::kDouble), sj_var = at::ones({2}, at::kDouble);
+    at::Tensor t_mean = sj_mean.clone(), t_var = sj_var.clone();
+    auto f = sj::compile([&](const sj::variable_list& v) -> sj::variable_list {
+      auto a = sj::batch_norm(v[0], {}, {}, sj_mean, sj_var, true);
+      auto b = sj::batch_norm(v[0], {}, {}, sj_mean, sj_var, true);  // same node, a second update
+      sj::batch_norm(sj::mul(v[0], 2.0), {}, {}, sj_mean, sj_var, true);  // result unused
+      return {sj::sum(sj::mul(a, b))};
+    }, {.derivatives = 1});
+    for (int call = 0; call < 3; ++call) {
+      CAPTURE(call);
+      at::Tensor x = rnd({3, 2, 2}) + call;
+      sj::Variable xv(x, true);
+      auto out = f({xv});
+      auto gx = sj::grad(out, {xv})[0];
+      auto xt = x.clone().requires_grad_(true);
+      auto ya = torch::batch_norm(xt, {}, {}, t_mean, t_var, true, 0.1, 1e-5, false);
+      auto yb = torch::batch_norm(xt, {}, {}, t_mean, t_var, true, 0.1, 1e-5, false);
+      torch::batch_norm(xt.detach() * 2.0, {}, {}, t_mean, t_var, true, 0.1, 1e-5, false);
+      auto lt = (ya * yb).sum();
+      CHECK(max_abs_diff(out[0].data(), lt.detach()) <= 1e-10);
+      CHECK(max_abs_diff(gx.data(), torch::autograd::grad({lt}, {xt})[0]) <= 1e-10);
+      CHECK(max_abs_diff(sj_mean, t_mean) <= 1e-12);
+      CHECK(max_abs_diff(sj_var, t_var) <= 1e-12);
+    }
+    int norms = 0;
+    for (const auto* n : f.graph_for({sj::Variable(rnd({3, 2, 2}), true)})->nodes())
+      if (auto op = n->get_if<sj::ir::Op>(); op && op->id() == sj::OpId::native_batch_norm) ++norms;
+    CHECK(norms == 3);
+  }
+
   TEST_CASE("batch_norm: a compiled closure whose running statistics were freed says so") {
     at::manual_seed(200);
     auto holder = std::make_shared<std::pair<at::Tensor, at::Tensor>>(at::zeros({2}, at::kDouble),
