@@ -314,17 +314,33 @@ void define_nn_ops(Def& def) {
         return {values, indices};
       },
       [](const BackwardArgs& a) -> variable_list {
-        // The gradient goes to the positions the indices (flat over H * W) name,
-        // accumulated where windows share a maximum; its own backward is a gather.
-        const Variable& g = G(a);
-        if (!g.defined() || !a.needs(0)) return {Variable()};
-        auto sizes = meta_sizes(a, 0);
-        std::vector<int64_t> flat(sizes.begin(), sizes.end() - 2), gflat(flat);
-        flat.push_back(sizes[sizes.size() - 2] * sizes.back());
+        // The gradient goes to the positions the indices name, accumulated where windows
+        // share a maximum (ATen's kernel); its own backward gathers by the same indices.
+        if (!G(a).defined() || !a.needs(0)) return {Variable()};
+        static const OpDef& d = ops::def(OpId::max_pool2d_with_indices_backward);
+        Attributes attrs{{"input_size", meta_sizes(a, 0)}};
+        attrs.insert(attrs.end(), a.attrs.begin(), a.attrs.end());
+        return {ops::apply(d, {G(a), Out(a, 1)}, attrs)[0]};
+      });
+  def(OpId::max_pool2d_with_indices_backward,
+      [](const Tensors& in, const Attributes& a) {
+        at::Tensor self = at::empty(attr_ints(a, "input_size"), in[0].options());
+        return one(at::max_pool2d_with_indices_backward(in[0], self, attr_ints(a, "kernel_size"),
+                                                        attr_ints(a, "stride"), attr_ints(a, "padding"),
+                                                        attr_ints(a, "dilation"), attr_bool(a, "ceil_mode", false),
+                                                        in[1]));
+      },
+      [](const BackwardArgs& a) -> variable_list {
+        // Linear in grad_output: each input position's gradient, read back at the
+        // indices (flat over H * W), is the gradient of the pooled value.
+        const Variable& gg = G(a);
+        if (!gg.defined() || !a.needs(0)) return {Variable(), Variable()};
+        const auto gsizes = meta_sizes(a, 0);
+        auto sizes = vec(gg.sizes());
+        std::vector<int64_t> flat(sizes.begin(), sizes.end() - 2), gflat(gsizes.begin(), gsizes.end() - 2);
+        flat.push_back(-1);
         gflat.push_back(-1);
-        Variable z = zeros_of(flat, a.input_meta[0].options);
-        Variable r = scatter_add_op(z, -1, reshape(Out(a, 1), gflat), reshape(g, gflat));
-        return {reshape(r, sizes)};
+        return {reshape(gather_op(reshape(gg, flat), -1, reshape(In(a, 1), gflat)), gsizes), Variable()};
       });
   def(OpId::avg_pool2d,
       [](const Tensors& in, const Attributes& a) {

@@ -7,7 +7,8 @@
 /// The table entries behind them (ops/op_schema.hpp) are ATen's lower-level ops:
 /// `convolution` (also transposed) and `convolution_weight_backward` (the weight gradient,
 /// whose own backward is again two convolutions), `max_pool2d_with_indices` (values and
-/// int64 indices; the backward scatter-adds by the indices, its backward gathers),
+/// int64 indices; its backward `max_pool2d_with_indices_backward` scatters by the indices
+/// and is differentiated by gathering by them),
 /// `avg_pool2d` / `adaptive_avg_pool2d` and their backward ops (linear; the backward of each
 /// backward is the pool again), `native_batch_norm` / `native_layer_norm` /
 /// `native_group_norm` (result, mean and inverse standard deviation; the backward formulas

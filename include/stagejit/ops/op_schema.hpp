@@ -90,6 +90,7 @@ namespace stagejit {
   X(convolution) \
   X(convolution_weight_backward) \
   X(max_pool2d_with_indices) \
+  X(max_pool2d_with_indices_backward) \
   X(avg_pool2d) \
   X(avg_pool2d_backward) \
   X(adaptive_avg_pool2d) \
@@ -204,6 +205,7 @@ inline constexpr std::array<OpSchema, num_ops> op_schemas{{
     {.id = OpId::convolution, .name = "convolution", .min_inputs = 2, .max_inputs = 3, .saved_inputs = 0b011, .attributes = "stride, padding, dilation (int lists), transposed (bool), output_padding (int list), groups; inputs: input, weight, bias (optional)", .backward_name = "ConvolutionBackward"},
     {.id = OpId::convolution_weight_backward, .name = "convolution_weight_backward", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b11, .attributes = "weight_size, stride, padding, dilation (int lists), groups; inputs: input, grad_output of a (non-transposed) convolution; result: the weight's gradient", .backward_name = "ConvolutionWeightBackwardBackward"},
     {.id = OpId::max_pool2d_with_indices, .name = "max_pool2d_with_indices", .saves_outputs = true, .attributes = "kernel_size, stride, padding, dilation (int lists), ceil_mode (bool); outputs: values, indices (int64, flat over H*W, not differentiable)", .backward_name = "MaxPool2DWithIndicesBackward"},
+    {.id = OpId::max_pool2d_with_indices_backward, .name = "max_pool2d_with_indices_backward", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b10, .attributes = "input_size (int list), kernel_size, stride, padding, dilation, ceil_mode (as max_pool2d_with_indices); inputs: grad_output, indices (int64)", .backward_name = "MaxPool2DWithIndicesBackwardBackward"},
     {.id = OpId::avg_pool2d, .name = "avg_pool2d", .attributes = "kernel_size, stride, padding (int lists), ceil_mode (default false), count_include_pad (default true)", .backward_name = "AvgPool2DBackward"},
     {.id = OpId::avg_pool2d_backward, .name = "avg_pool2d_backward", .attributes = "input_size (int list), kernel_size, stride, padding, ceil_mode, count_include_pad (as avg_pool2d); inputs: grad_output", .backward_name = "AvgPool2DBackwardBackward"},
     {.id = OpId::adaptive_avg_pool2d, .name = "adaptive_avg_pool2d", .attributes = "output_size (int list)", .backward_name = "AdaptiveAvgPool2DBackward"},
