@@ -21,12 +21,15 @@ at::Tensor rnd(std::vector<int64_t> shape) { return at::randn(shape, at::kDouble
 at::Tensor channels_last(const at::Tensor& t) { return t.contiguous(at::MemoryFormat::ChannelsLast); }
 
 // The compiled function with `k` derivatives, stage by stage against libtorch_stages
-// (grad outputs of ones), twice (the second call is served from the cache).
+// (grad outputs of ones), twice (the second call is served from the cache). Fusion
+// (elementwise chains of the backward formulas as generated kernels, each compiled once
+// per machine) only where asked: the cases that fuse keep a cold run of the suite short.
 void check_compiled(const SjFn& sj_fn, const TorchFn& torch_fn, const std::vector<at::Tensor>& data,
-                    const std::vector<bool>& rg, int k) {
+                    const std::vector<bool>& rg, int k, bool fuse = false) {
   CAPTURE(k);
+  CAPTURE(fuse);
   auto expected_stages = libtorch_stages(torch_fn, data, rg, k);
-  auto f = sj::compile(sj_fn, {.derivatives = k});
+  auto f = sj::compile(sj_fn, {.derivatives = k, .fuse = fuse});
   for (int call = 0; call < 2; ++call) {
     CAPTURE(call);
     sj::variable_list inputs;
@@ -70,10 +73,10 @@ void check_compiled(const SjFn& sj_fn, const TorchFn& torch_fn, const std::vecto
 
 // Eager derivatives up to `order` (random grad outputs), then the compiled stages 0..order.
 void check_op(const std::string& name, const std::vector<at::Tensor>& inputs, const std::vector<bool>& diff,
-              const SjFn& sj_fn, const TorchFn& torch_fn, int order) {
+              const SjFn& sj_fn, const TorchFn& torch_fn, int order, bool fuse = false) {
   oracle::check(name, inputs, diff, sj_fn, torch_fn, order);
   CAPTURE(name);
-  check_compiled(sj_fn, torch_fn, inputs, diff, order);
+  check_compiled(sj_fn, torch_fn, inputs, diff, order, fuse);
 }
 
 // gradcheck and gradgradcheck of `fn` at `inputs` (double, small).
@@ -154,7 +157,7 @@ TEST_SUITE("models") {
       return {y * (y * y)};
     };
     check_op("conv2d", in, {true, true, true}, sj_fn, torch_fn, 3);
-    check_op("conv2d cubed", in, {true, true, true}, sj_cubic, torch_cubic, 3);
+    check_op("conv2d cubed", in, {true, true, true}, sj_cubic, torch_cubic, 3, /*fuse=*/true);
   }
 
   TEST_CASE("conv1d: stride, padding, dilation, groups, orders 1-2") {
@@ -502,6 +505,7 @@ TEST_SUITE("models") {
       std::vector<at::Tensor> in = {rnd({3, 4}), rnd({4}), rnd({4})};
       oracle::check("layer_norm", in, {true, true, true}, sj_fn, torch_fn, 3, 1e-10, 1e-12);
       check_compiled(sj_fn, torch_fn, in, {true, true, true}, 3);
+      check_compiled(sj_fn, torch_fn, in, {true, true, true}, 3, /*fuse=*/true);
     }
     {
       SjFn sj_fn = [](const sj::variable_list& v) -> sj::variable_list {
@@ -655,7 +659,7 @@ TEST_SUITE("models") {
     };
     std::vector<at::Tensor> in = {rnd({2, 1, 5, 5}), rnd({3, 1, 3, 3}), rnd({3}), rnd({3}), rnd({3}),
                                   rnd({4, 3, 2, 2}), rnd({4, 2})};
-    check_op("cnn", in, std::vector<bool>(in.size(), true), sj_fn, torch_fn, 2);
+    check_op("cnn", in, std::vector<bool>(in.size(), true), sj_fn, torch_fn, 2, /*fuse=*/true);
 
     // Its traced graph prints, parses back to the same text, lints, and the reference
     // interpreter reproduces the trace's stages from the parsed graph.
