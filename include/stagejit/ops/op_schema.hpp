@@ -86,7 +86,20 @@ namespace stagejit {
   X(threshold) \
   X(select) \
   X(split) \
-  X(cross)
+  X(cross) \
+  X(convolution) \
+  X(convolution_weight_backward) \
+  X(max_pool2d_with_indices) \
+  X(max_pool2d_with_indices_backward) \
+  X(avg_pool2d) \
+  X(avg_pool2d_backward) \
+  X(adaptive_avg_pool2d) \
+  X(adaptive_avg_pool2d_backward) \
+  X(native_batch_norm) \
+  X(native_layer_norm) \
+  X(native_group_norm) \
+  X(gather) \
+  X(scatter_add)
 
 /// One op of the table (ATen's name). `unknown`: an interned name the table lacks.
 enum class OpId : uint16_t {
@@ -189,6 +202,19 @@ inline constexpr std::array<OpSchema, num_ops> op_schemas{{
     {.id = OpId::select, .name = "select", .attributes = "dim, index", .backward_name = "SelectBackward"},
     {.id = OpId::split, .name = "split", .attributes = "split_size (int: equal pieces, the last smaller; int list: split_with_sizes), dim (default 0); one output per piece", .backward_name = "SplitBackward"},
     {.id = OpId::cross, .name = "cross", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b11, .attributes = "dim (optional: the first dimension of size 3)", .backward_name = "CrossBackward"},
+    {.id = OpId::convolution, .name = "convolution", .min_inputs = 2, .max_inputs = 3, .saved_inputs = 0b011, .attributes = "stride, padding, dilation (int lists), transposed (bool), output_padding (int list), groups; inputs: input, weight, bias (optional)", .backward_name = "ConvolutionBackward"},
+    {.id = OpId::convolution_weight_backward, .name = "convolution_weight_backward", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b11, .attributes = "weight_size, stride, padding, dilation (int lists), groups; inputs: input, grad_output of a (non-transposed) convolution; result: the weight's gradient", .backward_name = "ConvolutionWeightBackwardBackward"},
+    {.id = OpId::max_pool2d_with_indices, .name = "max_pool2d_with_indices", .saves_outputs = true, .attributes = "kernel_size, stride, padding, dilation (int lists), ceil_mode (bool); outputs: values, indices (int64, flat over H*W, not differentiable)", .backward_name = "MaxPool2DWithIndicesBackward"},
+    {.id = OpId::max_pool2d_with_indices_backward, .name = "max_pool2d_with_indices_backward", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b10, .attributes = "input_size (int list), kernel_size, stride, padding, dilation, ceil_mode (as max_pool2d_with_indices); inputs: grad_output, indices (int64)", .backward_name = "MaxPool2DWithIndicesBackwardBackward"},
+    {.id = OpId::avg_pool2d, .name = "avg_pool2d", .attributes = "kernel_size, stride, padding (int lists), ceil_mode (default false), count_include_pad (default true)", .backward_name = "AvgPool2DBackward"},
+    {.id = OpId::avg_pool2d_backward, .name = "avg_pool2d_backward", .attributes = "input_size (int list), kernel_size, stride, padding, ceil_mode, count_include_pad (as avg_pool2d); inputs: grad_output", .backward_name = "AvgPool2DBackwardBackward"},
+    {.id = OpId::adaptive_avg_pool2d, .name = "adaptive_avg_pool2d", .attributes = "output_size (int list)", .backward_name = "AdaptiveAvgPool2DBackward"},
+    {.id = OpId::adaptive_avg_pool2d_backward, .name = "adaptive_avg_pool2d_backward", .attributes = "input_size (int list); inputs: grad_output", .backward_name = "AdaptiveAvgPool2DBackwardBackward"},
+    {.id = OpId::native_batch_norm, .name = "native_batch_norm", .max_inputs = 3, .side_effects = true, .saved_inputs = 0b011, .saves_outputs = true, .attributes = "training (bool), momentum, eps, has_weight, has_bias (bool), running_mean, running_var (optional: ids of live buffers, ops/nn.hpp); inputs: input, weight (if has_weight), bias (if has_bias); outputs: result, mean, invstd (per channel; training: the batch's, else from the running statistics)", .backward_name = "NativeBatchNormBackward"},
+    {.id = OpId::native_layer_norm, .name = "native_layer_norm", .max_inputs = 3, .saved_inputs = 0b011, .saves_outputs = true, .attributes = "normalized_shape (int list), eps, has_weight, has_bias (bool); inputs: input, weight (if has_weight), bias (if has_bias); outputs: result, mean, rstd", .backward_name = "NativeLayerNormBackward"},
+    {.id = OpId::native_group_norm, .name = "native_group_norm", .max_inputs = 3, .saved_inputs = 0b011, .saves_outputs = true, .attributes = "num_groups, eps, has_weight, has_bias (bool); inputs: input, weight (if has_weight), bias (if has_bias); outputs: result, mean, rstd (N x num_groups)", .backward_name = "NativeGroupNormBackward"},
+    {.id = OpId::gather, .name = "gather", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b10, .attributes = "dim; inputs: self, index (int64)", .backward_name = "GatherBackward"},
+    {.id = OpId::scatter_add, .name = "scatter_add", .min_inputs = 3, .max_inputs = 3, .saved_inputs = 0b010, .attributes = "dim; inputs: self, index (int64), src", .backward_name = "ScatterAddBackward"},
 }};
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop
