@@ -3,6 +3,7 @@
 // non-contiguous (transposed, expanded) and empty shapes.
 #include "oracle.hpp"
 
+#include <stagejit/core/torch_compat.hpp>
 #include <stagejit/testing/gradcheck.hpp>
 
 namespace {
@@ -154,11 +155,16 @@ TEST_SUITE("autograd") {
     std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> mshapes = {
         {{3}, {3}}, {{3}, {3, 2}}, {{2, 3}, {3}}, {{2, 3}, {3, 4}},
         {{5, 2, 3}, {3, 4}}, {{2, 3}, {5, 3, 4}}, {{5, 1, 2, 3}, {4, 3, 2}}, {{4}, {2, 4, 3}}};
+    // libtorch 2.x's matmul picks how to fold batched operands by whether they require
+    // grad (a 1-d operand times a 3-d one runs as another product when autograd records
+    // it), so its forward can differ from the one stagejit runs below autograd in the last
+    // bit (measured with 2.15: 5.6e-17); 1.13 folds alike, and the check stays exact there.
+    const double matmul_forward_tol = STAGEJIT_TORCH_VERSION_AT_LEAST(2, 0) ? 1e-15 : 0.0;
     for (auto& [sa, sb] : mshapes) {
       oracle::check("matmul " + std::to_string(sa.size()) + "x" + std::to_string(sb.size()),
                     {rnd(sa), rnd(sb)}, {true, true},
                     [](const VL& x) { return VL{sj::tanh(sj::matmul(x[0], x[1]))}; },
-                    [](const TL& x) { return TL{x[0].matmul(x[1]).tanh()}; }, 2);
+                    [](const TL& x) { return TL{x[0].matmul(x[1]).tanh()}; }, 2, 1e-10, matmul_forward_tol);
     }
     oracle::check("addmm", {rnd({3, 2}), rnd({3, 4}), rnd({4, 2})}, {true, true, true},
                   [](const VL& x) { return VL{sj::addmm(x[0], sj::sin(x[1]), x[2])}; },
