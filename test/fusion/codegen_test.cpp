@@ -101,6 +101,23 @@ TEST_SUITE("fusion") {
     }
   }
 
+  TEST_CASE("run_fused: the activations of the ops for models, on special values and random inputs") {
+    const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+    const std::vector<double> vals = {nan, inf, -inf, 0.0, -0.0, 1.0, -2.5, 50, -50, -100, 3e38, 1e-30};
+    const std::string& text = stagejit::fusion::testing::activations_group;  // groups.hpp
+    at::manual_seed(4);
+    for (auto dtype : {at::kFloat, at::kDouble}) {
+      CAPTURE(dtype);
+      auto o = at::TensorOptions().dtype(dtype);
+      auto x = at::tensor(vals, at::TensorOptions().dtype(at::kDouble)).to(dtype);
+      auto y = x.flip({0});
+      check_group(text, {x, y});
+      check_group(text, {y, x});
+      check_group(text, {at::randn({1000}, o) * 4, at::randn({1000}, o) * 4});
+      check_group(text, {at::randn({16, 4}, o).t(), at::randn({4, 1}, o)});
+    }
+  }
+
   TEST_CASE("run_fused: comparisons give bool outputs, where/masked_fill read them; scalar forms; pow") {
     at::manual_seed(2);
     const std::string text = R"(graph(%a : Double(6, 5), %b : Double(5)) {

@@ -156,6 +156,25 @@ TEST_SUITE("fusion") {
     CHECK((cpu.device == at::Device(at::kCPU)));
   }
 
+  TEST_CASE("generate, CUDA dialect: the activations of the ops for models follow ATen's CUDA kernels") {
+    auto g = ir::parse(activations_group);
+    const auto s = fusion::generate(*g, metas(at::kFloat, {{12}, {12}}), fusion::DeviceKind::CUDA).source;
+    CHECK(has(s, "(x0 * T(0.5) * (T(1) + sjf_erf(x0 * T(0.70710678118654757))))"));  // exact gelu
+    CHECK(has(s, "sjf_tanh(T(0.79788456080286541) * (x0 + T(0.044714999999999999) * (x0 * x0 * x0)))"));
+    CHECK(has(s, "sjf_erf(x0)"));
+    CHECK(has(s, "(x0 / (T(1) + sjf_exp(-x0)))"));  // silu
+    CHECK(has(s, "(x1 * T(2) > T(1) ? x1 : sjf_log1p(sjf_exp(x1 * T(2))) / T(2))"));  // softplus
+    CHECK(has(s, "(x1 <= T(0) ? (sjf_exp(x1) - T(1)) * T(1.5) : x1)"));  // elu
+    CHECK(has(s, "(x1 > T(0) ? x1 : x1 * T(0.20000000000000001))"));  // leaky_relu
+    auto bad = ir::parse(R"(graph(%x : Float(4)) {
+  %0 : Float(4) = gelu[approximate="erf"](%x);
+  return (%0);
+}
+)");
+    CHECK_THROWS_WITH_AS(fusion::generate(*bad, metas(at::kFloat, {{4}}), fusion::DeviceKind::CUDA),
+                         doctest::Contains("attribute 'approximate' of op 'gelu'"), stagejit::FusionError);
+  }
+
   TEST_CASE("NVRTC compiles the CUDA dialect of every test group to PTX, in float, double, half and bfloat16" *
             doctest::skip(!fusion::nvrtc_available())) {
     MESSAGE("NVRTC " << fusion::nvrtc_version());
@@ -165,7 +184,8 @@ TEST_SUITE("fusion") {
     };
     const std::vector<Case> cases = {{&tanh_sigmoid_group, {{16, 4}, {4}, {16, 1}}},
                                      {&special_values_group, {{12}, {12}}},
-                                     {&predicates_group, {{6, 5}, {5}}}};
+                                     {&predicates_group, {{6, 5}, {5}}},
+                                     {&activations_group, {{12}, {12}}}};
     for (const auto& c : cases) {
       auto g = ir::parse(*c.text);
       for (at::ScalarType dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {

@@ -130,6 +130,20 @@ TEST_SUITE("gpu") {
     }
   }
 
+  TEST_CASE("fused activations on CUDA: gelu (both forms), erf, silu, softplus, elu, leaky_relu" *
+            doctest::skip(no_cuda_tensors())) {
+    const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+    const std::vector<double> vals = {nan, inf, -inf, 0.0, -0.0, 1.0, -2.5, 50, -50, -100, 3e38, 1e-30};
+    at::manual_seed(5);
+    for (auto dtype : {at::kFloat, at::kDouble}) {
+      const std::string dtype_name = c10::toString(dtype);
+      CAPTURE(dtype_name);
+      auto x = at::tensor(vals, at::TensorOptions().dtype(at::kDouble)).to(on_gpu(dtype));
+      check_group_cuda(activations_group, {x, x.flip({0})});
+      check_group_cuda(activations_group, {at::randn({1000}, on_gpu(dtype)) * 4, at::randn({1000}, on_gpu(dtype)) * 4});
+    }
+  }
+
   TEST_CASE("a group on CUDA and CPU tensors is refused at plan time and runs op by op" *
             doctest::skip(no_cuda_tensors())) {
     auto g = ir::parse(tanh_sigmoid_group);

@@ -60,4 +60,25 @@ inline const std::string predicates_group = R"(graph(%a : Double(6, 5), %b : Dou
 }
 )";
 
+/// The activations of the ops for models (issue 19): both GELU forms, erf, silu, softplus
+/// (default and beta/threshold), elu, leaky_relu, chained with a scalar mul so that a
+/// kernel reads them from one another too.
+inline const std::string activations_group = R"(graph(%x : Float(12), %y : Float(12)) {
+  %0 : Float(12) = gelu(%x);
+  %1 : Float(12) = gelu[approximate="tanh"](%x);
+  %2 : Float(12) = erf(%x);
+  %3 : Float(12) = silu(%x);
+  %4 : Float(12) = softplus[beta=1, threshold=20](%x);
+  %5 : Float(12) = softplus[beta=2, threshold=1](%y);
+  %6 : Float(12) = elu[alpha=1](%x);
+  %7 : Float(12) = elu[alpha=1.5](%y);
+  %8 : Float(12) = leaky_relu[negative_slope=0.01](%x);
+  %9 : Float(12) = leaky_relu[negative_slope=0.2](%y);
+  %10 : Float(12) = mul[other=0.5](%y);
+  %11 : Float(12) = gelu(%10);
+  %12 : Float(12) = silu(%11);
+  return (%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %12);
+}
+)";
+
 }  // namespace stagejit::fusion::testing

@@ -23,6 +23,10 @@
 #include <stagejit/passes/peephole.hpp>
 #include <stagejit/trace/trace.hpp>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -120,6 +124,30 @@ class CompiledFunction {
     std::atomic<std::size_t> hits{0}, misses{0};
   };
 
+  // ATen's default generators (CPU, and each CUDA device's when CUDA is available),
+  // saved on construction and restored on destruction.
+  struct GeneratorStates {
+    std::vector<std::pair<at::Generator, at::Tensor>> saved;
+    GeneratorStates() {
+      auto keep = [&](at::Generator g) {
+        std::lock_guard<std::mutex> lock(g.mutex());
+        saved.emplace_back(g, g.get_state());
+      };
+      keep(at::detail::getDefaultCPUGenerator());
+      if (at::hasCUDA())
+        for (int64_t i = 0; i < static_cast<int64_t>(at::detail::getCUDAHooks().getNumGPUs()); ++i)
+          keep(at::globalContext().defaultGenerator(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(i))));
+    }
+    ~GeneratorStates() {
+      for (auto& [g, state] : saved) {
+        std::lock_guard<std::mutex> lock(g.mutex());
+        g.set_state(state);
+      }
+    }
+    GeneratorStates(const GeneratorStates&) = delete;
+    GeneratorStates& operator=(const GeneratorStates&) = delete;
+  };
+
   static ArgSpec spec_of(const variable_list& inputs) {
     ArgSpec spec;
     spec.inputs.reserve(inputs.size());
@@ -148,7 +176,13 @@ class CompiledFunction {
     // The trace's eager results stay alive until the closures are built: freeing their
     // many small autograd records first makes malloc place the IR the passes create in
     // the holes they leave (Trace::drop_eager_results explains).
-    Trace tr = trace(state_->fn, leaves, TraceOptions{o.derivatives});
+    // Tracing runs `fn` eagerly; its random ops (dropout) must not use up the draws of the
+    // call being served, so the default generators are put back as they were: the first
+    // compiled call after `at::manual_seed(s)` draws what an eager call would.
+    Trace tr = [&] {
+      GeneratorStates saved;
+      return trace(state_->fn, leaves, TraceOptions{o.derivatives});
+    }();
     std::shared_ptr<ir::Graph> g = tr.graph();
     if (o.optimize) {
       passes::eliminate_dead_code(*g);

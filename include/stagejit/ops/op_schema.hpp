@@ -83,6 +83,22 @@ namespace stagejit {
   X(nll_loss) \
   X(nll_loss_backward) \
   X(mse_loss) \
+  X(gelu) \
+  X(erf) \
+  X(silu) \
+  X(softplus) \
+  X(elu) \
+  X(leaky_relu) \
+  X(logsumexp) \
+  X(embedding) \
+  X(index_select) \
+  X(index_add) \
+  X(permute) \
+  X(flatten) \
+  X(bmm) \
+  X(var) \
+  X(binary_cross_entropy_with_logits) \
+  X(dropout) \
   X(threshold) \
   X(select) \
   X(split) \
@@ -198,6 +214,22 @@ inline constexpr std::array<OpSchema, num_ops> op_schemas{{
     {.id = OpId::nll_loss, .name = "nll_loss", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b11, .attributes = "reduction (default 1 = mean; 0 none, 2 sum), ignore_index (default -100); inputs: self, target (int64)", .backward_name = "NllLossBackward"},
     {.id = OpId::nll_loss_backward, .name = "nll_loss_backward", .min_inputs = 3, .max_inputs = 3, .saved_inputs = 0b110, .attributes = "reduction, ignore_index (as nll_loss); inputs: grad_output, self, target", .backward_name = "NllLossBackwardBackward"},
     {.id = OpId::mse_loss, .name = "mse_loss", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b11, .attributes = "reduction (default 1 = mean; 0 none, 2 sum)", .backward_name = "MseLossBackward"},
+    {.id = OpId::gelu, .name = "gelu", .elementwise = true, .saved_inputs = 0b1, .attributes = "approximate (string: \"none\" (default) or \"tanh\")", .fusion_template = "($0 * 0.5 * (1 + erf($0 * 0.70710678118654752440)))", .backward_name = "GeluBackward"},
+    {.id = OpId::erf, .name = "erf", .elementwise = true, .saved_inputs = 0b1, .fusion_template = "erf($0)", .backward_name = "ErfBackward"},
+    {.id = OpId::silu, .name = "silu", .elementwise = true, .saved_inputs = 0b1, .fusion_template = "($0 / (1 + exp(-$0)))", .backward_name = "SiluBackward"},
+    {.id = OpId::softplus, .name = "softplus", .elementwise = true, .saved_inputs = 0b1, .attributes = "beta (default 1), threshold (default 20): linear where beta * self > threshold", .fusion_template = "($0 * $beta > $threshold ? $0 : log1p(exp($0 * $beta)) / $beta)", .backward_name = "SoftplusBackward"},
+    {.id = OpId::elu, .name = "elu", .elementwise = true, .saved_inputs = 0b1, .attributes = "alpha (default 1)", .fusion_template = "($0 <= 0 ? (exp($0) - 1) * $alpha : $0)", .backward_name = "EluBackward"},
+    {.id = OpId::leaky_relu, .name = "leaky_relu", .elementwise = true, .saved_inputs = 0b1, .attributes = "negative_slope (default 0.01)", .fusion_template = "($0 > 0 ? $0 : $0 * $negative_slope)", .backward_name = "LeakyReluBackward"},
+    {.id = OpId::logsumexp, .name = "logsumexp", .saved_inputs = 0b1, .saves_outputs = true, .attributes = "dim (int list), keepdim (default false)", .backward_name = "LogsumexpBackward"},
+    {.id = OpId::embedding, .name = "embedding", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b10, .attributes = "inputs: weight, indices (int64 or int32)", .backward_name = "EmbeddingBackward"},
+    {.id = OpId::index_select, .name = "index_select", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b10, .attributes = "dim; inputs: self, index (int64 or int32, at most 1-d)", .backward_name = "IndexSelectBackward"},
+    {.id = OpId::index_add, .name = "index_add", .min_inputs = 3, .max_inputs = 3, .saved_inputs = 0b10, .attributes = "dim; inputs: self, index (int64 or int32, at most 1-d), source", .backward_name = "IndexAddBackward"},
+    {.id = OpId::permute, .name = "permute", .attributes = "dims (int list)", .backward_name = "PermuteBackward"},
+    {.id = OpId::flatten, .name = "flatten", .attributes = "start_dim (default 0), end_dim (default -1)", .backward_name = "FlattenBackward"},
+    {.id = OpId::bmm, .name = "bmm", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b11, .backward_name = "BmmBackward"},
+    {.id = OpId::var, .name = "var", .saved_inputs = 0b1, .attributes = "dim (int list, optional: all), unbiased (default true), keepdim (default false)", .backward_name = "VarBackward"},
+    {.id = OpId::binary_cross_entropy_with_logits, .name = "binary_cross_entropy_with_logits", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b11, .attributes = "reduction (default 1 = mean; 0 none, 2 sum); inputs: self (logits), target", .backward_name = "BinaryCrossEntropyWithLogitsBackward"},
+    {.id = OpId::dropout, .name = "dropout", .side_effects = true, .saves_outputs = true, .attributes = "p, train (default true); outputs: result, mask (bool; a fresh draw from ATen's default generator on every run)", .backward_name = "DropoutBackward"},
     {.id = OpId::threshold, .name = "threshold", .elementwise = true, .saved_inputs = 0b1, .attributes = "threshold, value: self <= threshold ? value : self", .fusion_template = "($0 <= $threshold ? $value : $0)", .backward_name = "ThresholdBackward"},
     {.id = OpId::select, .name = "select", .attributes = "dim, index", .backward_name = "SelectBackward"},
     {.id = OpId::split, .name = "split", .attributes = "split_size (int: equal pieces, the last smaller; int list: split_with_sizes), dim (default 0); one output per piece", .backward_name = "SplitBackward"},

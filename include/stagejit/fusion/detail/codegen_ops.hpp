@@ -5,7 +5,8 @@
 /// and attributes substituted, numeric literals turned into `V(T(x))`, math functions
 /// mapped to Vectorized members) or overridden where ATen's CPU kernels differ from the
 /// template's scalar C form (fmadd for add/sub/rsub, NaN-propagating clamp/relu/maximum/
-/// minimum, pow's special exponents, comparisons yielding 1/0, blends for where/masked_fill).
+/// minimum, pow's special exponents, comparisons yielding 1/0, blends for where/masked_fill
+/// and the piecewise activations softplus/elu/leaky_relu, GELU's tanh form).
 /// CUDA (`cuda_op_expression`): scalar expressions in the compute type `T`, one thread
 /// per element, following ATen's CUDA kernels.
 
@@ -40,6 +41,8 @@ template <class X> inline X sin(const X& a) { return a.sin(); }
 template <class X> inline X cos(const X& a) { return a.cos(); }
 template <class X> inline X fabs(const X& a) { return a.abs(); }
 template <class X> inline X pow(const X& a, const X& b) { return a.pow(b); }
+template <class X> inline X erf(const X& a) { return a.erf(); }
+template <class X> inline X log1p(const X& a) { return a.log1p(); }
 /// ATen's sign kernel: (0 < a) - (a < 0), 0 for NaN.
 template <class X> inline X sign(const X& a) {
   const X zero(0), one(1);
@@ -69,6 +72,8 @@ SJ_MATH1(rsqrt, rsqrtf, rsqrt)
 SJ_MATH1(sin, sinf, sin)
 SJ_MATH1(cos, cosf, cos)
 SJ_MATH1(fabs, fabsf, fabs)
+SJ_MATH1(erf, erff, erf)
+SJ_MATH1(log1p, log1pf, log1p)
 #undef SJ_MATH1
 __device__ __forceinline__ float sjf_pow(float a, float b) { return powf(a, b); }
 __device__ __forceinline__ double sjf_pow(double a, double b) { return pow(a, b); }
@@ -100,6 +105,28 @@ inline std::optional<double> number_attribute(const ir::Op& op, std::string_view
                       "' must be a number, got kind '" + std::string(ir::attribute_kind(*v)) + "'");
   }
   return std::nullopt;
+}
+
+/// Whether `op` (a gelu) uses the tanh approximation: its string attribute `approximate`
+/// is "tanh" (absent or "none": the exact form); any other value is a FusionError.
+inline bool gelu_tanh_form(const ir::Op& op) {
+  const ir::AttributeValue* v = op.attribute("approximate");
+  if (!v) return false;
+  auto s = ir::attribute_as<std::string>(*v);
+  if (!s || (*s != "none" && *s != "tanh"))
+    throw FusionError("fusion: attribute 'approximate' of op 'gelu' must be the string \"none\" or \"tanh\"");
+  return *s == "tanh";
+}
+
+/// GELU's tanh form, `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, as ATen's kernels
+/// compute it, with `x` an operand expression, `lit` the dialect's literal and `tanh_fn`
+/// its tanh.
+template <class Lit>
+inline std::string gelu_tanh_expression(const std::string& x, Lit lit, const std::string& tanh_fn) {
+  const double beta = M_SQRT2 * M_2_SQRTPI * 0.5, kappa = 0.044715;
+  const std::string cube = "(" + x + " * " + x + " * " + x + ")";
+  return "(" + lit(0.5) + " * " + x + " * (" + lit(1) + " + " + tanh_fn + "(" + lit(beta) + " * (" + x + " + " +
+         lit(kappa) + " * " + cube + "))))";
 }
 
 /// Fills an op table template: `$k` -> operands[k], `$name` -> the attribute as a literal,
@@ -140,7 +167,8 @@ inline std::string finalise_template(std::string_view tpl, const ir::Op& op, con
       size_t j = i;
       while (j < tpl.size() && (std::isalnum(static_cast<unsigned char>(tpl[j])) || tpl[j] == '_')) ++j;
       const std::string name(tpl.substr(i, j - i));
-      static const std::vector<std::string_view> known = {"exp", "log", "tanh", "sqrt", "sin", "cos", "fabs", "pow"};
+      static const std::vector<std::string_view> known = {"exp", "log", "tanh", "sqrt", "sin", "cos", "fabs", "pow",
+                                                               "erf", "log1p"};
       if (std::find(known.begin(), known.end(), name) == known.end()) fail("unknown function '" + name + "'");
       out += (cuda ? "sjf_" : "sjf::") + name;
       i = j;
@@ -274,6 +302,30 @@ inline std::string op_expression(const ir::Node& node, const std::vector<std::st
       // ATen's kernel: x <= threshold ? value : x (a NaN compares false and stays).
       return "V::blendv(" + a[0] + ", " + literal(*v) + ", " + a[0] + " <= " + literal(*thr) + ")";
     }
+    case OpId::gelu:
+      need(1);
+      if (gelu_tanh_form(*op)) return gelu_tanh_expression(a[0], [](double x) { return literal(x); }, "sjf::tanh");
+      break;  // the template (exact form)
+    case OpId::softplus: {
+      need(1);
+      // ATen's kernel: beta x > threshold ? x : log1p(exp(beta x)) / beta.
+      const std::string beta = literal(number_attribute(*op, "beta").value_or(1.0));
+      const std::string thr = literal(number_attribute(*op, "threshold").value_or(20.0));
+      const std::string bx = "(" + a[0] + " * " + beta + ")";
+      return "V::blendv(sjf::log1p(sjf::exp(" + bx + ")) / " + beta + ", " + a[0] + ", " + bx + " > " + thr + ")";
+    }
+    case OpId::elu: {
+      need(1);
+      const std::string alpha = literal(number_attribute(*op, "alpha").value_or(1.0));
+      // ATen's kernel: x <= 0 ? (exp(x) - 1) * alpha : x (exp - 1, not expm1).
+      return "V::blendv(" + a[0] + ", (sjf::exp(" + a[0] + ") - " + literal(1) + ") * " + alpha + ", " + a[0] + " <= " +
+             literal(0) + ")";
+    }
+    case OpId::leaky_relu: {
+      need(1);
+      const std::string slope = literal(number_attribute(*op, "negative_slope").value_or(0.01));
+      return "V::blendv(" + a[0] + " * " + slope + ", " + a[0] + ", " + a[0] + " > " + literal(0) + ")";
+    }
     case OpId::to:
       throw FusionError("fusion: op 'to' (a dtype cast) is not fused");
     default:
@@ -384,6 +436,10 @@ inline std::string cuda_op_expression(const ir::Node& node, const std::vector<st
       if (!thr || !v) throw FusionError("fusion: op 'threshold' needs attributes 'threshold' and 'value'");
       return "(" + a[0] + " <= " + lit(*thr) + " ? " + lit(*v) + " : " + a[0] + ")";
     }
+    case OpId::gelu:
+      need(1);
+      if (gelu_tanh_form(*op)) return gelu_tanh_expression(a[0], lit, "sjf_tanh");
+      break;  // the template (exact form)
     case OpId::to:
       throw FusionError("fusion: op 'to' (a dtype cast) is not fused");
     default:
