@@ -126,6 +126,11 @@ struct TrainingData {
     return {x_u.to(dtype), u_u.to(dtype), x_f.to(dtype), input_scale.to(dtype),
             input_shift.to(dtype), x_star.to(dtype), u_star};
   }
+  /// Every tensor on `device` (the GPU check runs the step on CUDA).
+  TrainingData to(at::Device device) const {
+    return {x_u.to(device), u_u.to(device), x_f.to(device), input_scale.to(device),
+            input_shift.to(device), x_star.to(device), u_star.to(device)};
+  }
 };
 
 /// Latin hypercube sample of n points in [0, 1]^d: each coordinate takes one point from
