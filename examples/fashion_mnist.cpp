@@ -1,7 +1,9 @@
 // The main job: train a Fashion-MNIST classifier (MLP 784-256-128-10, ReLU, cross-entropy,
-// SGD with momentum) with the training step - forward, loss and backward - run through
-// stagejit::compile(), stagejit's eager autograd (--eager) or libtorch's autograd
-// (--libtorch), from the same initial weights and the same batches (issue 7).
+// SGD with momentum; or with --model cnn the CNN of examples/cnn.hpp, issue 19) with the
+// training step - forward, loss and backward - run through stagejit::compile(),
+// stagejit's eager autograd (--eager) or libtorch's autograd (--libtorch), from the same
+// initial weights and the same batches (issue 7). The CNN's dropout masks are drawn from
+// ATen's default generator seeded per step, so every mode draws the same masks.
 //
 // With --world-size N (or torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, as
 // scripts/launch sets them) it trains data-parallel on c10d Gloo (issue 16): every rank
@@ -15,14 +17,17 @@
 #include <stagejit/distributed/data_parallel.hpp>
 #endif
 
+#include "cnn.hpp"
 #include "mlp.hpp"
 
+#include <ATen/record_function.h>
 #include <CLI/CLI.hpp>
 #include <zlib.h>
 
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cerrno>
 #include <cmath>
@@ -135,28 +140,56 @@ Split load_split(const std::string& dir, const std::string& prefix) {
   return s;
 }
 
-// ------------------------------------------------------------------ the model
+// ------------------------------------------------------------------ the models
 
-// The MLP, its initialisation, the step and SGD: examples/mlp.hpp.
+// The MLP, its initialisation, the step and SGD: examples/mlp.hpp; the CNN:
+// examples/cnn.hpp.
 using mlp::Params;
 using mlp::Sgd;
-using mlp::init_params;
-using mlp::step_fn;
 
-at::Tensor torch_loss(const std::vector<at::Tensor>& in) {
+/// Which network is trained: the MLP, or the CNN (with batch norm when `cnn.batch_norm`).
+struct Model {
+  bool is_cnn = false;
+  cnn::Config cnn;
+
+  std::string describe() const {
+    if (!is_cnn) return "MLP 784-256-128-10";
+    return std::string("CNN conv5x5(32)") + (cnn.batch_norm ? "-BN" : "") + "-pool-conv5x5(64)" +
+           (cnn.batch_norm ? "-BN" : "") + "-pool-fc256-dropout" + std::to_string(cnn.dropout).substr(0, 4) +
+           "-fc10";
+  }
+  Params init_params(uint64_t seed) const {
+    return is_cnn ? cnn::init_params(seed, cnn.batch_norm) : mlp::init_params(seed);
+  }
+  std::vector<std::string> param_names() const {
+    if (!is_cnn) return {"W1", "b1", "W2", "b2", "W3", "b3"};
+    if (cnn.batch_norm)
+      return {"conv1.W", "conv1.b", "bn1.W", "bn1.b", "conv2.W", "conv2.b", "bn2.W", "bn2.b", "fc1.W", "fc1.b", "fc2.W", "fc2.b"};
+    return {"conv1.W", "conv1.b", "conv2.W", "conv2.b", "fc1.W", "fc1.b", "fc2.W", "fc2.b"};
+  }
+};
+
+at::Tensor mlp_torch_loss(const std::vector<at::Tensor>& in) {
   auto h1 = at::relu(at::addmm(in[3], in[0], in[2].t()));
   auto h2 = at::relu(at::addmm(in[5], h1, in[4].t()));
   auto logits = at::addmm(in[7], h2, in[6].t());
   return at::cross_entropy_loss(logits, in[1]);
 }
 
-double test_accuracy(const Params& p, const Split& test) {
+double test_accuracy(const Model& m, const Params& p, cnn::RunningStats& stats, const Split& test) {
+  if (m.is_cnn) return cnn::accuracy(m.cnn, p, stats, test.images, test.labels);
   at::NoGradGuard no_grad;
   auto h1 = at::relu(at::addmm(p[1], test.images, p[0].t()));
   auto h2 = at::relu(at::addmm(p[3], h1, p[2].t()));
   auto logits = at::addmm(p[5], h2, p[4].t());
   auto correct = logits.argmax(1).eq(test.labels).sum().item<int64_t>();
   return double(correct) / double(test.labels.size(0));
+}
+
+/// The seed of ATen's default generator before step `step` of epoch `epoch` (every mode
+/// seeds the same way, so the CNN's dropout draws the same masks in every mode).
+uint64_t step_seed(uint64_t seed, int epoch, int64_t step) {
+  return seed * 1000003u + uint64_t(epoch) * 100003u + uint64_t(step) + 1;
 }
 
 // ------------------------------------------------------------------ steppers
@@ -173,9 +206,23 @@ const char* mode_name(Mode m) {
 }
 
 /// Computes the loss and the parameter gradients of one batch in one of the three ways.
+/// The CNN's training step updates the batch norms' running statistics `*stats` in place
+/// (in every mode, the compiled one included: ATen's rule).
 class Stepper {
  public:
-  Stepper(Mode mode) : mode_(mode), compiled_(sj::compile(step_fn, {.derivatives = 1})) {}
+  Stepper(Mode mode, const Model& model, cnn::RunningStats* stats)
+      : mode_(mode), model_(model), stats_(stats),
+        compiled_(sj::compile([this](const sj::variable_list& in) { return step_fn(in); }, {.derivatives = 1})) {}
+  Stepper(const Stepper&) = delete;
+  Stepper& operator=(const Stepper&) = delete;
+
+  /// The traced training step: in = {x [B,784] float, target [B] int64, params...};
+  /// returns {mean cross-entropy loss}.
+  sj::variable_list step_fn(const sj::variable_list& in) const {
+    if (!model_.is_cnn) return mlp::step_fn(in);
+    const sj::variable_list w(in.begin() + 2, in.end());
+    return {sj::cross_entropy(cnn::logits(model_.cnn, in[0], w, *stats_, /*train=*/true), in[1])};
+  }
 
   /// Returns the loss; `grads` receives dloss/dparam in the order of Params.
   double step(const at::Tensor& x, const at::Tensor& y, const Params& p, Params& grads) {
@@ -184,7 +231,9 @@ class Stepper {
       std::vector<at::Tensor> leaves;
       for (const auto& t : p) leaves.push_back(t.detach().requires_grad_(true));
       in.insert(in.end(), leaves.begin(), leaves.end());
-      auto loss = torch_loss(in);
+      auto loss = model_.is_cnn
+                      ? at::cross_entropy_loss(cnn::logits(model_.cnn, x, leaves, *stats_, /*train=*/true), y)
+                      : mlp_torch_loss(in);
       auto g = torch::autograd::grad({loss}, leaves);
       grads.assign(g.begin(), g.end());
       return loss.item<double>();
@@ -201,12 +250,17 @@ class Stepper {
   }
 
   std::string graph(const at::Tensor& x, const at::Tensor& y, const Params& p) {
-    sj::variable_list in = {sj::Variable(x), sj::Variable(y)};
-    for (const auto& t : p) in.emplace_back(t, true);
-    return sj::ir::to_string(*compiled_.graph_for(in));
+    return sj::ir::to_string(*graph_for(x, y, p));
   }
 
   sj::CompiledFunction::Stats stats() const { return compiled_.stats(); }
+
+  /// The compiled step's optimised graph for these inputs (fusion groups and all).
+  std::shared_ptr<const sj::ir::Graph> graph_for(const at::Tensor& x, const at::Tensor& y, const Params& p) {
+    sj::variable_list in = {sj::Variable(x), sj::Variable(y)};
+    for (const auto& t : p) in.emplace_back(t, true);
+    return compiled_.graph_for(in);
+  }
 
   /// The data-parallel step: this rank's loss on its shard, `backward()` into the
   /// parameters' grads, whose buckets DataParallel all-reduces while the backward runs,
@@ -229,6 +283,8 @@ class Stepper {
 
  private:
   Mode mode_;
+  const Model& model_;
+  cnn::RunningStats* stats_;
   sj::CompiledFunction compiled_;
 };
 
@@ -249,6 +305,8 @@ struct Distributed {
 // ------------------------------------------------------------------ training loop
 
 struct Options {
+  std::string model = "mlp";
+  bool batch_norm = false;
   int epochs = 2;
   int64_t batch_size = 128;
   double lr = 0.05;
@@ -308,10 +366,11 @@ void progress_bar(const char* mode, int epoch, int epochs, int64_t done, int64_t
 /// only on the seed, so every mode sees the same batches in the same order.
 class Trainer {
  public:
-  Trainer(Mode mode, const Options& o, const Params& init, const Split& train_set,
+  Trainer(Mode mode, const Options& o, const Model& model, const Params& init, const Split& train_set,
           const Split& test_set, const Distributed& d)
-      : mode_(mode), o_(o), train_(train_set), test_(test_set), sgd_{o.lr, o.momentum, {}},
-        stepper_(mode), rng_(o.seed), result_{mode, {}}, d_(d) {
+      : mode_(mode), o_(o), model_(model), train_(train_set), test_(test_set), sgd_{o.lr, o.momentum, {}},
+        stats_(cnn::RunningStats::initial(model.is_cnn && model.cnn.batch_norm)),
+        stepper_(mode, model_, &stats_), rng_(o.seed), result_{mode, {}}, d_(d) {
     for (const auto& t : init) p_.push_back(t.clone());
     // The last partial batch of each epoch is dropped (as DataLoader(drop_last=True)):
     // every step then has one shape, so compile() traces once.
@@ -351,8 +410,11 @@ class Trainer {
     for (const auto& t : p_) scratch.push_back(t.clone());
     auto x = train_.images.narrow(0, 0, shard_).clone();
     auto y = train_.labels.narrow(0, 0, shard_).clone();
+    // The running statistics are updated in place by the steps: restored afterwards.
+    const cnn::RunningStats saved = stats_.clone();
     auto w0 = std::chrono::steady_clock::now();
     for (int i = 0; i < o_.warmup; ++i) stepper_.step(x, y, scratch, scratch_grads);
+    for (std::size_t i = 0; i < saved.tensors.size(); ++i) stats_.tensors[i].copy_(saved.tensors[i]);
     if (!printer()) return;
     std::printf("[%s] %d warm-up step(s): %.0f ms%s\n", mode_name(mode_), o_.warmup,
                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - w0).count(),
@@ -377,6 +439,7 @@ class Trainer {
       // reused batch memory does: no fresh 400 KB allocation per step.
       at::index_select_out(x_, train_.images, 0, idx);
       at::index_select_out(y_, train_.labels, 0, idx);
+      if (model_.is_cnn) at::manual_seed(step_seed(o_.seed, epoch, s) + uint64_t(d_.rank) * 7919u);
       double loss = step(grads);
       if (!std::isfinite(loss))
         throw std::runtime_error("training diverged: loss " + std::to_string(loss) +
@@ -399,7 +462,7 @@ class Trainer {
     // Data-parallel: the train loss is rank 0's shard's; every rank holds the same
     // weights, so rank 0 alone measures the test accuracy.
     EpochResult r{epoch, loss_sum / double(std::max<int64_t>(steps_, 1)),
-                  printer() ? test_accuracy(p_, test_) : 0.0, double(steps_ * o_.batch_size) / secs, secs};
+                  printer() ? test_accuracy(model_, p_, stats_, test_) : 0.0, double(steps_ * o_.batch_size) / secs, secs};
     result_.epochs.push_back(r);
     if (!printer()) return;
     std::printf("[%s] epoch %d/%d  train loss %.4f  test accuracy %.2f%%  %.0f images/s  %.2fs\n",
@@ -431,10 +494,12 @@ class Trainer {
  private:
   Mode mode_;
   const Options& o_;
+  const Model& model_;
   const Split& train_;
   const Split& test_;
   Params p_;
   Sgd sgd_;
+  cnn::RunningStats stats_;
   Stepper stepper_;
   std::mt19937_64 rng_;
   RunResult result_;
@@ -459,12 +524,12 @@ class Trainer {
 /// interleaved (epoch 1 of each mode, then epoch 2 of each, the order rotating by one
 /// every epoch), so a machine that gets faster or slower during the run (frequency,
 /// other load) shifts every mode alike instead of whichever mode ran last.
-std::vector<RunResult> train_all(const std::vector<Mode>& modes, const Options& o,
+std::vector<RunResult> train_all(const std::vector<Mode>& modes, const Options& o, const Model& model,
                                  const Params& init, const Split& train_set, const Split& test_set,
                                  const Distributed& d) {
   std::vector<std::unique_ptr<Trainer>> trainers;
   for (Mode m : modes) {
-    trainers.push_back(std::make_unique<Trainer>(m, o, init, train_set, test_set, d));
+    trainers.push_back(std::make_unique<Trainer>(m, o, model, init, train_set, test_set, d));
     trainers.back()->warmup();
   }
   for (int epoch = 0; epoch < o.epochs; ++epoch)
@@ -526,15 +591,95 @@ void print_summary(const std::vector<RunResult>& runs) {
   }
 }
 
+// ------------------------------------------------------------------ where the time goes
+
+// ATen RecordFunction callbacks for the --compare profile: ATen calls per step and the
+// time inside convolutions (forward and backward, the outermost call of nested ones).
+std::atomic<int64_t> g_aten_calls{0}, g_conv_ns{0};
+thread_local int t_conv_depth = 0;
+
+struct ConvContext : at::ObserverContext {
+  std::chrono::steady_clock::time_point start;
+};
+
+bool is_convolution(const char* name) { return std::strstr(name, "conv") != nullptr; }
+
+std::unique_ptr<at::ObserverContext> profile_start(const at::RecordFunction& fn) {
+  ++g_aten_calls;
+  if (!is_convolution(fn.name()) || t_conv_depth++ > 0) return nullptr;
+  auto ctx = std::make_unique<ConvContext>();
+  ctx->start = std::chrono::steady_clock::now();
+  return ctx;
+}
+
+void profile_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+  if (!is_convolution(fn.name())) return;
+  --t_conv_depth;
+  if (auto* c = static_cast<ConvContext*>(ctx))
+    g_conv_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - c->start).count();
+}
+
+/// After --compare: a few untimed steps of each mode with ATen's RecordFunction on (it
+/// adds a little to every ATen call): time per step, the share inside convolution kernels
+/// (the floor no compiler of this step removes: the same ATen convolutions run in every
+/// mode), ATen calls per step, and what the compiled step fused.
+void print_profile(const std::vector<Mode>& modes, const Options& o, const Model& model, const Params& init,
+                   const Split& train_set) {
+  constexpr int kSteps = 8;
+  const auto x = train_set.images.narrow(0, 0, o.batch_size).clone();
+  const auto y = train_set.labels.narrow(0, 0, o.batch_size).clone();
+  std::printf("\nWhere the time goes (%d untimed steps per mode, ATen RecordFunction on)\n", kSteps);
+  std::printf("%-10s %10s %16s %7s %16s\n", "mode", "ms/step", "convolution ms", "share", "ATen calls/step");
+  std::shared_ptr<const sj::ir::Graph> graph;
+  for (Mode m : modes) {
+    cnn::RunningStats stats = cnn::RunningStats::initial(model.is_cnn && model.cnn.batch_norm);
+    Stepper stepper(m, model, &stats);
+    Params p = init, g;
+    for (int i = 0; i < 2; ++i) stepper.step(x, y, p, g);  // trace, compile, first touch
+    if (m == Mode::Compiled) graph = stepper.graph_for(x, y, p);
+    g_aten_calls = 0;
+    g_conv_ns = 0;
+    auto handle = at::addGlobalCallback(at::RecordFunctionCallback(profile_start, profile_end));
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < kSteps; ++i) {
+      at::manual_seed(step_seed(o.seed, 0, i));
+      stepper.step(x, y, p, g);
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / kSteps;
+    at::removeCallback(handle);
+    const double conv_ms = double(g_conv_ns.load()) * 1e-6 / kSteps;
+    std::printf("%-10s %10.2f %16.2f %6.1f%% %16lld\n", mode_name(m), ms, conv_ms, 100 * conv_ms / ms,
+                (long long)(g_aten_calls.load() / kSteps));
+  }
+  if (!graph) return;
+  int groups = 0, fused_ops = 0, other_ops = 0;
+  for (const auto* node : graph->nodes()) {
+    if (const auto* group = node->get_if<sj::ir::FusionGroup>()) {
+      ++groups;
+      fused_ops += static_cast<int>(group->subgraph->nodes().size());
+    } else if (node->is<sj::ir::Op>()) {
+      ++other_ops;
+    }
+  }
+  std::printf("compiled step (forward and backward in one graph): %d fusion groups run %d elementwise ops as %d "
+              "kernels (bias, ReLU and its mask%s%s), %d other ops; no autograd Function is recorded per op, the "
+              "backward is one compiled stage\n",
+              groups, fused_ops, groups, model.is_cnn && model.cnn.batch_norm ? ", batch-norm arithmetic" : "",
+              model.is_cnn ? ", dropout scaling" : "", other_ops);
+}
+
 /// Compares the compiled step's gradients with libtorch's on the first `steps` batches
 /// (both at the same parameters; the libtorch gradients drive the update). Returns true
 /// when every gradient agrees within 1e-5 relative (max |a - b| / max |b|).
-bool check_gradients(const Options& o, const Params& init, const Split& train_set) {
+bool check_gradients(const Options& o, const Model& model, const Params& init, const Split& train_set) {
   Params p;
   for (const auto& t : init) p.push_back(t.clone());
-  Stepper compiled(Mode::Compiled), reference(Mode::Libtorch);
+  // Each side updates its own running statistics (they stay equal while the steps agree).
+  cnn::RunningStats stats_c = cnn::RunningStats::initial(model.is_cnn && model.cnn.batch_norm);
+  cnn::RunningStats stats_r = stats_c.clone();
+  Stepper compiled(Mode::Compiled, model, &stats_c), reference(Mode::Libtorch, model, &stats_r);
   Sgd sgd{o.lr, o.momentum, {}};
-  const char* names[] = {"W1", "b1", "W2", "b2", "W3", "b3"};
+  const std::vector<std::string> names = model.param_names();
   const int64_t n = train_set.images.size(0);
   bool ok = true;
   for (int s = 0; s < o.check_gradients; ++s) {
@@ -542,7 +687,10 @@ bool check_gradients(const Options& o, const Params& init, const Split& train_se
     auto x = train_set.images.narrow(0, s * o.batch_size, o.batch_size);
     auto y = train_set.labels.narrow(0, s * o.batch_size, o.batch_size);
     Params gc, gr;
+    // The same dropout masks on both sides.
+    at::manual_seed(step_seed(o.seed, 0, s));
     double lc = compiled.step(x, y, p, gc);
+    at::manual_seed(step_seed(o.seed, 0, s));
     double lr = reference.step(x, y, p, gr);
     double lrel = std::abs(lc - lr) / std::max(std::abs(lr), 1e-30);
     std::printf("step %d: loss compiled %.8f libtorch %.8f (rel %.2e)%s\n", s, lc, lr, lrel,
@@ -553,8 +701,15 @@ bool check_gradients(const Options& o, const Params& init, const Split& train_se
       double err = (gc[i] - gr[i]).abs().max().item<double>();
       double rel = err / std::max(scale, 1e-30);
       bool good = gc[i].sizes() == gr[i].sizes() && rel <= 1e-5;
-      std::printf("  d%-2s max|diff| %.3e  max|grad| %.3e  rel %.2e%s\n", names[i], err, scale,
+      std::printf("  d%-7s max|diff| %.3e  max|grad| %.3e  rel %.2e%s\n", names[i].c_str(), err, scale,
                   rel, good ? "" : "  MISMATCH");
+      ok = ok && good;
+    }
+    for (std::size_t i = 0; i < stats_r.tensors.size(); ++i) {
+      const double d = (stats_c.tensors[i] - stats_r.tensors[i]).abs().max().item<double>();
+      const bool good = d <= 1e-5 * std::max(1.0, stats_r.tensors[i].abs().max().item<double>());
+      std::printf("  running %s %d max|diff| %.3e%s\n", i % 2 ? "var " : "mean", int(i / 2) + 1, d,
+                  good ? "" : "  MISMATCH");
       ok = ok && good;
     }
     sgd.apply(p, gr);
@@ -568,11 +723,15 @@ bool check_gradients(const Options& o, const Params& init, const Split& train_se
 int main(int argc, char** argv) {
   Options o;
   CLI::App app{
-      "Trains an MLP (784-256-128-10, ReLU, cross-entropy, SGD with momentum) on Fashion-MNIST.\n"
+      "Trains an MLP (784-256-128-10, ReLU, cross-entropy, SGD with momentum) or, with --model cnn,\n"
+      "a CNN (two 5x5 convolutions with max pooling, optional batch norm, dropout) on Fashion-MNIST.\n"
       "The training step (forward, loss, backward) runs through stagejit::compile() by\n"
       "default, through stagejit's eager autograd with --eager, or libtorch's autograd with\n"
       "--libtorch; all start from the same weights and see the same batches.\n"
       "Data: Debian package dataset-fashion-mnist."};
+  app.add_option("--model", o.model, "The network: mlp (784-256-128-10) or cnn (examples/cnn.hpp)")
+      ->capture_default_str()->check(CLI::IsMember({"mlp", "cnn"}));
+  app.add_flag("--batch-norm", o.batch_norm, "With --model cnn: batch norm after each convolution");
   app.add_option("--epochs", o.epochs, "Passes over the training set")->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--batch-size", o.batch_size, "Images per step (the last partial batch of an "
@@ -623,6 +782,13 @@ int main(int argc, char** argv) {
   app.add_option("--first-bucket-cap-mb", o.first_bucket_cap_mb, "Cap of the first bucket (MiB)")
       ->capture_default_str()->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
+  Model model;
+  model.is_cnn = o.model == "cnn";
+  model.cnn.batch_norm = o.batch_norm;
+  if (o.batch_norm && !model.is_cnn) {
+    std::fprintf(stderr, "error: --batch-norm needs --model cnn\n");
+    return 2;
+  }
 
   Distributed dist_run;
   {
@@ -635,6 +801,11 @@ int main(int argc, char** argv) {
 #if defined(STAGEJIT_HAVE_DISTRIBUTED)
     if (o.libtorch || o.compare || o.print_graph || o.check_gradients > 0) {
       std::fprintf(stderr, "error: --world-size > 1 trains the compiled or --eager step only\n");
+      return 2;
+    }
+    if (o.batch_norm) {
+      std::fprintf(stderr, "error: --world-size > 1 with --batch-norm: the running statistics are not "
+                   "synchronised across ranks\n");
       return 2;
     }
     if (o.batch_size % dist_run.world_size != 0) {
@@ -684,20 +855,22 @@ int main(int argc, char** argv) {
   }
 
   try {
-    const Params init = init_params(o.seed);
+    const Params init = model.init_params(o.seed);
     if (o.print_graph) {
-      Stepper s(Mode::Compiled);
+      cnn::RunningStats stats = cnn::RunningStats::initial(model.is_cnn && model.cnn.batch_norm);
+      Stepper s(Mode::Compiled, model, &stats);
       auto x = train_set.images.narrow(0, 0, o.batch_size);
       auto y = train_set.labels.narrow(0, 0, o.batch_size);
       std::cout << s.graph(x, y, init);
       return 0;
     }
-    if (o.check_gradients > 0) return check_gradients(o, init, train_set) ? 0 : 1;
+    if (o.check_gradients > 0) return check_gradients(o, model, init, train_set) ? 0 : 1;
 
     if (dist_run.rank == 0)
-      std::printf("Fashion-MNIST: %lld training, %lld test images; MLP 784-256-128-10; "
+      std::printf("Fashion-MNIST: %lld training, %lld test images; %s; "
                   "SGD lr %g momentum %g; batch %lld; %d ATen thread(s); seed %llu%s\n",
-                  (long long)train_set.images.size(0), (long long)test_set.images.size(0), o.lr,
+                  (long long)train_set.images.size(0), (long long)test_set.images.size(0),
+                  model.describe().c_str(), o.lr,
                   o.momentum, (long long)o.batch_size, at::get_num_threads(),
                   (unsigned long long)o.seed,
                   dist_run.active() ? ("; data-parallel over " + std::to_string(dist_run.world_size) +
@@ -711,9 +884,10 @@ int main(int argc, char** argv) {
     // Touch every training image once, so the first mode does not pay the first-touch
     // page faults of the 188 MB dataset inside its timed epoch.
     if (o.warmup > 0) (void)train_set.images.sum().item<double>();
-    std::vector<RunResult> runs = train_all(modes, o, init, train_set, test_set, dist_run);
+    std::vector<RunResult> runs = train_all(modes, o, model, init, train_set, test_set, dist_run);
     if (dist_run.rank == 0) {
       print_summary(runs);
+      if (o.compare) print_profile(modes, o, model, init, train_set);
       if (!o.metrics.empty()) write_metrics(o.metrics, runs);
     }
   } catch (const sj::Error& e) {
