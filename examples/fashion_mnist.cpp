@@ -696,13 +696,27 @@ bool check_gradients(const Options& o, const Model& model, const Params& init, c
     std::printf("step %d: loss compiled %.8f libtorch %.8f (rel %.2e)%s\n", s, lc, lr, lrel,
                 lrel <= 1e-5 ? "" : "  MISMATCH");
     ok = ok && lrel <= 1e-5;
+    // A gradient 1e4 times smaller than the step's largest is zero in exact arithmetic (a
+    // convolution's bias followed by batch norm, which removes per-channel constants): both
+    // sides hold float rounding noise of a sum over the batch and the positions, so the
+    // check is that the compiled one is zero to the same precision.
+    double step_scale = 0;
+    for (const auto& g : gr) step_scale = std::max(step_scale, g.abs().max().item<double>());
     for (std::size_t i = 0; i < gr.size(); ++i) {
       double scale = gr[i].abs().max().item<double>();
       double err = (gc[i] - gr[i]).abs().max().item<double>();
       double rel = err / std::max(scale, 1e-30);
-      bool good = gc[i].sizes() == gr[i].sizes() && rel <= 1e-5;
-      std::printf("  d%-7s max|diff| %.3e  max|grad| %.3e  rel %.2e%s\n", names[i].c_str(), err, scale,
-                  rel, good ? "" : "  MISMATCH");
+      bool good = gc[i].sizes() == gr[i].sizes();
+      if (scale <= 1e-4 * step_scale) {
+        const double compiled = gc[i].abs().max().item<double>();
+        good = good && compiled <= 1e-4 * step_scale;
+        std::printf("  d%-7s max|grad| compiled %.3e libtorch %.3e: zero to float precision (step's largest "
+                    "gradient %.3e)%s\n", names[i].c_str(), compiled, scale, step_scale, good ? "" : "  MISMATCH");
+      } else {
+        good = good && rel <= 1e-5;
+        std::printf("  d%-7s max|diff| %.3e  max|grad| %.3e  rel %.2e%s\n", names[i].c_str(), err, scale, rel,
+                    good ? "" : "  MISMATCH");
+      }
       ok = ok && good;
     }
     for (std::size_t i = 0; i < stats_r.tensors.size(); ++i) {
