@@ -81,4 +81,22 @@ inline const std::string activations_group = R"(graph(%x : Float(12), %y : Float
 }
 )";
 
+/// The activations without GELU: erf, silu, softplus, elu, leaky_relu (the float check of
+/// the CPU dialect; GELU's float gap is described at `OpId::gelu` in
+/// fusion/detail/codegen_ops.hpp).
+inline const std::string activations_without_gelu_group = R"(graph(%x : Float(12), %y : Float(12)) {
+  %0 : Float(12) = erf(%x);
+  %1 : Float(12) = silu(%x);
+  %2 : Float(12) = softplus[beta=1, threshold=20](%x);
+  %3 : Float(12) = softplus[beta=2, threshold=1](%y);
+  %4 : Float(12) = elu[alpha=1](%x);
+  %5 : Float(12) = elu[alpha=1.5](%y);
+  %6 : Float(12) = leaky_relu[negative_slope=0.2](%y);
+  %7 : Float(12) = mul[other=0.5](%y);
+  %8 : Float(12) = silu(%7);
+  %9 : Float(12) = elu[alpha=1](%8);
+  return (%0, %1, %2, %3, %4, %5, %6, %9);
+}
+)";
+
 }  // namespace stagejit::fusion::testing

@@ -303,6 +303,10 @@ inline std::string op_expression(const ir::Node& node, const std::vector<std::st
       return "V::blendv(" + a[0] + ", " + literal(*v) + ", " + a[0] + " <= " + literal(*thr) + ")";
     }
     case OpId::gelu:
+      // Known gap: in float, both forms can differ from ATen's CPU gelu kernel by more than
+      // a few ulp in the negative tail (x below about -3, where 1 + erf and 1 + tanh cancel):
+      // ATen's kernel evaluates erf / tanh otherwise than Vectorized's members do. Double
+      // agrees to rounding (fusion tests: activations_group in double only).
       need(1);
       if (gelu_tanh_form(*op)) return gelu_tanh_expression(a[0], [](double x) { return literal(x); }, "sjf::tanh");
       break;  // the template (exact form)
