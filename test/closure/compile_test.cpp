@@ -5,6 +5,7 @@
 
 #include "../support/host_functions.hpp"
 #include "../support/models.hpp"
+#include "../support/check_stages.hpp"
 #include "../support/staged_oracle.hpp"
 
 #include <thread>
@@ -23,48 +24,7 @@ at::Tensor rand_d(std::vector<int64_t> shape) { return at::randn(shape, at::kDou
 template <class SjFn, class TorchFn>
 void check_compiled(SjFn sj_fn, TorchFn torch_fn, const std::vector<at::Tensor>& data,
                     const std::vector<bool>& rg, int k) {
-  CAPTURE(k);
-  auto oracle = libtorch_stages(torch_fn, data, rg, k);
-  auto f = sj::compile(sj_fn, {.derivatives = k});
-  for (int call = 0; call < 2; ++call) {  // the second call is served from the cache
-    CAPTURE(call);
-    sj::variable_list inputs;
-    for (std::size_t i = 0; i < data.size(); ++i) inputs.emplace_back(data[i], rg[i]);
-    sj::variable_list all_inputs = inputs;
-    sj::variable_list outs = f(inputs);
-    REQUIRE(outs.size() == oracle.outputs[0].size());
-    for (std::size_t i = 0; i < outs.size(); ++i)
-      CHECK(max_abs_diff(outs[i].data(), oracle.outputs[0][i]) <= 1e-10);
-    for (int s = 1; s <= k; ++s) {
-      CAPTURE(s);
-      sj::variable_list roots, grads_in;
-      for (auto& o : outs)
-        if (o.defined() && o.requires_grad()) {
-          roots.push_back(o);
-          grads_in.emplace_back(at::ones_like(o.data()), s < k);
-        }
-      sj::variable_list wrt;
-      for (auto& v : all_inputs)
-        if (v.requires_grad()) wrt.push_back(v);
-      sj::variable_list res = sj::grad(roots, wrt, grads_in, /*create_graph=*/s < k,
-                                       /*allow_unused=*/true);
-      const auto& expected = oracle.outputs[s];
-      REQUIRE(res.size() == expected.size());
-      for (std::size_t i = 0; i < res.size(); ++i) {
-        CAPTURE(i);
-        if (!expected[i].defined()) {
-          // libtorch reports no dependence; stagejit may materialise zeros.
-          if (res[i].defined()) CHECK(res[i].data().abs().max().item<double>() == 0.0);
-        } else {
-          CHECK(max_abs_diff(res[i].data(), expected[i]) <= 1e-10);
-        }
-      }
-      for (auto& g : grads_in) all_inputs.push_back(g);
-      outs = res;
-    }
-  }
-  CHECK(f.stats().misses == 1);
-  CHECK(f.stats().hits == 1);
+  sj::testing::check_compiled_stages(sj_fn, torch_fn, data, rg, k);
 }
 
 using sj::testing::Mul;

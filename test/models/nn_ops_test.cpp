@@ -3,7 +3,7 @@
 // in double (<= 1e-10): eager up to the third order, compiled stage by stage, finite
 // differences, batch_norm's running statistics, and one bad input per family.
 #include "../autograd/oracle.hpp"
-#include "../support/staged_oracle.hpp"
+#include "../support/check_stages.hpp"
 
 #include <stagejit/testing/gradcheck.hpp>
 
@@ -26,49 +26,7 @@ at::Tensor channels_last(const at::Tensor& t) { return t.contiguous(at::MemoryFo
 // per machine) only where asked: the cases that fuse keep a cold run of the suite short.
 void check_compiled(const SjFn& sj_fn, const TorchFn& torch_fn, const std::vector<at::Tensor>& data,
                     const std::vector<bool>& rg, int k, bool fuse = false) {
-  CAPTURE(k);
-  CAPTURE(fuse);
-  auto expected_stages = libtorch_stages(torch_fn, data, rg, k);
-  auto f = sj::compile(sj_fn, {.derivatives = k, .fuse = fuse});
-  for (int call = 0; call < 2; ++call) {
-    CAPTURE(call);
-    sj::variable_list inputs;
-    for (std::size_t i = 0; i < data.size(); ++i) inputs.emplace_back(data[i], rg[i]);
-    sj::variable_list all_inputs = inputs;
-    sj::variable_list outs = f(inputs);
-    REQUIRE(outs.size() == expected_stages.outputs[0].size());
-    for (std::size_t i = 0; i < outs.size(); ++i)
-      CHECK(max_abs_diff(outs[i].data(), expected_stages.outputs[0][i]) <= 1e-10);
-    for (int s = 1; s <= k; ++s) {
-      CAPTURE(s);
-      sj::variable_list roots, grads_in;
-      for (auto& o : outs)
-        if (o.defined() && o.requires_grad()) {
-          roots.push_back(o);
-          grads_in.emplace_back(at::ones_like(o.data()), s < k);
-        }
-      sj::variable_list wrt;
-      for (auto& v : all_inputs)
-        if (v.requires_grad()) wrt.push_back(v);
-      sj::variable_list res = sj::grad(roots, wrt, grads_in, s < k, /*allow_unused=*/true);
-      const auto& expected = expected_stages.outputs[s];
-      REQUIRE(res.size() == expected.size());
-      for (std::size_t i = 0; i < res.size(); ++i) {
-        CAPTURE(i);
-        // An undefined gradient is zero on either side (libtorch materialises some, e.g.
-        // max_pool2d's backward has a zero derivative in its input).
-        if (!expected[i].defined()) {
-          if (res[i].defined()) CHECK(res[i].data().abs().max().item<double>() == 0.0);
-        } else if (!res[i].defined()) {
-          CHECK(expected[i].abs().max().item<double>() == 0.0);
-        } else {
-          CHECK(max_abs_diff(res[i].data(), expected[i]) <= 1e-10);
-        }
-      }
-      for (auto& g : grads_in) all_inputs.push_back(g);
-      outs = res;
-    }
-  }
+  sj::testing::check_compiled_stages(sj_fn, torch_fn, data, rg, k, {.fuse = fuse});
 }
 
 // Eager derivatives up to `order` (random grad outputs), then the compiled stages 0..order.

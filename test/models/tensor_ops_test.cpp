@@ -6,7 +6,7 @@
 // k-derivative closure against libtorch_stages), finite differences, bad inputs, dropout's
 // randomness, and a transformer encoder block compiled with two derivatives.
 #include "../autograd/oracle.hpp"
-#include "../support/staged_oracle.hpp"
+#include "../support/check_stages.hpp"
 
 #include <stagejit/testing/gradcheck.hpp>
 
@@ -39,50 +39,7 @@ std::vector<std::pair<std::string, at::Tensor>> elementwise_inputs() {
 void check_compiled(const std::string& name, const oracle::SjFn& sj_fn, const oracle::TorchFn& torch_fn,
                     const std::vector<at::Tensor>& data, const std::vector<bool>& rg, int k) {
   CAPTURE(name);
-  CAPTURE(k);
-  auto expected_stages = libtorch_stages(torch_fn, data, rg, k);
-  auto f = sj::compile(sj_fn, {.derivatives = k});
-  for (int call = 0; call < 2; ++call) {
-    CAPTURE(call);
-    VL inputs;
-    for (std::size_t i = 0; i < data.size(); ++i) inputs.emplace_back(data[i], rg[i]);
-    VL all_inputs = inputs;
-    VL outs = f(inputs);
-    REQUIRE(outs.size() == expected_stages.outputs[0].size());
-    for (std::size_t i = 0; i < outs.size(); ++i)
-      CHECK(max_abs_diff(outs[i].data(), expected_stages.outputs[0][i]) <= 1e-10);
-    for (int s = 1; s <= k; ++s) {
-      CAPTURE(s);
-      VL roots, grads_in;
-      for (auto& o : outs)
-        if (o.defined() && o.requires_grad()) {
-          roots.push_back(o);
-          grads_in.emplace_back(at::ones_like(o.data()), s < k);
-        }
-      VL wrt;
-      for (auto& v : all_inputs)
-        if (v.requires_grad()) wrt.push_back(v);
-      VL res = sj::grad(roots, wrt, grads_in, s < k, true);
-      const auto& expected = expected_stages.outputs[s];
-      REQUIRE(res.size() == expected.size());
-      for (std::size_t i = 0; i < res.size(); ++i) {
-        CAPTURE(i);
-        // One side may leave undefined what the other materialises as zeros (libtorch's
-        // leaky_relu_backward gives zeros for the input, stagejit no gradient).
-        if (!expected[i].defined()) {
-          if (res[i].defined()) CHECK(res[i].data().abs().max().item<double>() == 0.0);
-        } else if (!res[i].defined()) {
-          CHECK(expected[i].abs().max().item<double>() == 0.0);
-        } else {
-          CHECK(max_abs_diff(res[i].data(), expected[i]) <= 1e-10);
-        }
-      }
-      for (auto& g : grads_in) all_inputs.push_back(g);
-      outs = res;
-    }
-  }
-  CHECK(f.stats().misses == 1);
-  CHECK(f.stats().hits == 1);
+  sj::testing::check_compiled_stages(sj_fn, torch_fn, data, rg, k);
 }
 
 // One case: eager to `eager_order`, compiled at k = 1..compiled_order (each closure's
