@@ -147,6 +147,7 @@ Split load_split(const std::string& dir, const std::string& prefix) {
 using mlp::Params;
 using mlp::Sgd;
 
+
 /// Which network is trained: the MLP, or the CNN (with batch norm when `cnn.batch_norm`).
 struct Model {
   bool is_cnn = false;
@@ -310,6 +311,7 @@ struct Options {
   int epochs = 2;
   int64_t batch_size = 128;
   double lr = 0.05;
+  std::string lr_schedule = "constant";
   double momentum = 0.9;
   int threads = 0;
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
@@ -360,6 +362,13 @@ void progress_bar(const char* mode, int epoch, int epochs, int64_t done, int64_t
               epochs, bar.c_str(), int(100 * done / std::max<int64_t>(total, 1)), loss, ips,
               fmt_duration(eta).c_str());
   std::fflush(stdout);
+}
+
+/// The learning rate of step `k` (from 0) of `total`: --lr throughout, or with
+/// `--lr-schedule linear` decayed linearly from --lr to --lr / total over the run.
+double scheduled_lr(const Options& o, int64_t k, int64_t total) {
+  if (o.lr_schedule != "linear" || total <= 0) return o.lr;
+  return o.lr * double(total - k) / double(total);
 }
 
 /// Trains from `init` in `mode`, one epoch per call of `epoch()`; the batch order depends
@@ -446,6 +455,7 @@ class Trainer {
                                  " at epoch " + std::to_string(epoch) + " step " +
                                  std::to_string(s) + " (try a smaller --lr)");
       loss_sum += loss;
+      sgd_.lr = scheduled_lr(o_, (epoch - 1) * steps_ + s, o_.epochs * steps_);
       sgd_.apply(p_, grads);
       auto now = std::chrono::steady_clock::now();
       if (tty && (now - last_draw > std::chrono::milliseconds(100) || s + 1 == steps_)) {
@@ -749,9 +759,13 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", o.epochs, "Passes over the training set")->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--batch-size", o.batch_size, "Images per step (the last partial batch of an "
-                 "epoch is dropped)")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--lr", o.lr, "SGD learning rate")->capture_default_str()
+                 "epoch is dropped); default 128 for the MLP, 32 for the CNN")->check(CLI::PositiveNumber);
+  app.add_option("--lr", o.lr, "SGD learning rate; default 0.05 for the MLP, 0.03 for the CNN")
       ->check(CLI::PositiveNumber);
+  app.add_option("--lr-schedule", o.lr_schedule, "constant, or linear: decayed linearly over all steps of "
+                 "all epochs, from --lr at the first to --lr / steps at the last; default constant for the "
+                 "MLP, linear for the CNN")
+      ->check(CLI::IsMember({"constant", "linear"}));
   app.add_option("--momentum", o.momentum, "SGD momentum (PyTorch's convention)")
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
   app.add_option("--threads", o.threads, "ATen intra-op threads (0: ATen's default)")
@@ -796,6 +810,13 @@ int main(int argc, char** argv) {
   app.add_option("--first-bucket-cap-mb", o.first_bucket_cap_mb, "Cap of the first bucket (MiB)")
       ->capture_default_str()->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
+  // The CNN's defaults (what reaches >= 91 % test accuracy in 2 epochs, README); an
+  // option given on the command line wins.
+  if (o.model == "cnn") {
+    if (app.count("--batch-size") == 0) o.batch_size = 32;
+    if (app.count("--lr") == 0) o.lr = 0.03;
+    if (app.count("--lr-schedule") == 0) o.lr_schedule = "linear";
+  }
   Model model;
   model.is_cnn = o.model == "cnn";
   model.cnn.batch_norm = o.batch_norm;
@@ -882,9 +903,9 @@ int main(int argc, char** argv) {
 
     if (dist_run.rank == 0)
       std::printf("Fashion-MNIST: %lld training, %lld test images; %s; "
-                  "SGD lr %g momentum %g; batch %lld; %d ATen thread(s); seed %llu%s\n",
+                  "SGD lr %g%s momentum %g; batch %lld; %d ATen thread(s); seed %llu%s\n",
                   (long long)train_set.images.size(0), (long long)test_set.images.size(0),
-                  model.describe().c_str(), o.lr,
+                  model.describe().c_str(), o.lr, o.lr_schedule == "linear" ? " (linear decay)" : "",
                   o.momentum, (long long)o.batch_size, at::get_num_threads(),
                   (unsigned long long)o.seed,
                   dist_run.active() ? ("; data-parallel over " + std::to_string(dist_run.world_size) +

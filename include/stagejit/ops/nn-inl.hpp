@@ -103,18 +103,6 @@ STAGEJIT_FUNC std::vector<int64_t> spatial_list(std::string_view op, std::string
   return v;
 }
 
-// Output padding that makes a transposed convolution of an input of spatial sizes
-// `out` (the convolution's output) come back to `in` (the convolution's input).
-STAGEJIT_FUNC std::vector<int64_t> conv_output_padding(at::IntArrayRef in, at::IntArrayRef out,
-                                                       at::IntArrayRef weight, const std::vector<int64_t>& stride,
-                                                       const std::vector<int64_t>& padding,
-                                                       const std::vector<int64_t>& dilation) {
-  std::vector<int64_t> op(stride.size());
-  for (std::size_t i = 0; i < stride.size(); ++i)
-    op[i] = in[i + 2] - ((out[i + 2] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (weight[i + 2] - 1) + 1);
-  return op;
-}
-
 STAGEJIT_FUNC Variable convolution_op(const Variable& input, const Variable& weight, const Variable& bias,
                                       std::vector<int64_t> stride, std::vector<int64_t> padding,
                                       std::vector<int64_t> dilation, bool transposed,
@@ -137,6 +125,21 @@ STAGEJIT_FUNC Variable conv_weight_grad(const Variable& input, const Variable& g
   static const OpDef& d = ops::def(OpId::convolution_weight_backward);
   return ops::apply(d, {input, grad_output},
                     {{"weight_size", std::move(weight_size)}, {"stride", std::move(stride)},
+                     {"padding", std::move(padding)}, {"dilation", std::move(dilation)},
+                     {"groups", groups}})[0];
+}
+
+// The gradient of a (non-transposed) convolution's input (of sizes `input_size`) for
+// `grad_output` and `weight`: ATen's convolution_backward, the kernel libtorch's own
+// backward runs (a transposed convolution computes the same but, on CPU, through a far
+// slower im2col kernel).
+STAGEJIT_FUNC Variable conv_input_grad(const Variable& grad_output, const Variable& weight,
+                                       std::vector<int64_t> input_size, std::vector<int64_t> stride,
+                                       std::vector<int64_t> padding, std::vector<int64_t> dilation,
+                                       int64_t groups) {
+  static const OpDef& d = ops::def(OpId::convolution_input_backward);
+  return ops::apply(d, {grad_output, weight},
+                    {{"input_size", std::move(input_size)}, {"stride", std::move(stride)},
                      {"padding", std::move(padding)}, {"dilation", std::move(dilation)},
                      {"groups", groups}})[0];
 }
@@ -240,11 +243,7 @@ void define_nn_ops(Def& def) {
         const Variable &x = In(a, 0), &w = In(a, 1);
         if (!attr_bool(a.attrs, "transposed", false)) {
           // y = conv(x, w): dx = conv_transpose(g, w), dw = the weight gradient of (x, g).
-          if (a.needs(0))
-            r[0] = convolution_op(g, w, {}, stride, padding, dilation, true,
-                                  conv_output_padding(a.input_meta[0].sizes, g.sizes(), a.input_meta[1].sizes,
-                                                      stride, padding, dilation),
-                                  groups);
+          if (a.needs(0)) r[0] = conv_input_grad(g, w, meta_sizes(a, 0), stride, padding, dilation, groups);
           if (a.needs(1)) r[1] = conv_weight_grad(x, g, meta_sizes(a, 1), stride, padding, dilation, groups);
         } else {
           // y = conv_transpose(x, w), the adjoint of conv(., w): dx = conv(g, w), and dw
@@ -294,14 +293,37 @@ void define_nn_ops(Def& def) {
              dilation = attr_ints(a.attrs, "dilation");
         const int64_t groups = attr_int(a.attrs, "groups", 1);
         const Variable &x = In(a, 0), &g = In(a, 1);
-        if (a.needs(0))
-          r[0] = convolution_op(g, gg, {}, stride, padding, dilation, true,
-                                conv_output_padding(a.input_meta[0].sizes, a.input_meta[1].sizes, gg.sizes(),
-                                                    stride, padding, dilation),
-                                groups);
+        if (a.needs(0)) r[0] = conv_input_grad(g, gg, meta_sizes(a, 0), stride, padding, dilation, groups);
         if (a.needs(1))
           r[1] = convolution_op(x, gg, {}, stride, padding, dilation, false,
                                 std::vector<int64_t>(stride.size(), 0), groups);
+        return r;
+      });
+  // The input gradient of y = conv(x, weight) for grad_output: bilinear in (grad_output,
+  // weight), <gg, result> = <conv(gg, weight), grad_output>, so its backward is conv(gg,
+  // weight) for grad_output and the weight gradient of conv(gg, .) at grad_output.
+  def(OpId::convolution_input_backward,
+      [](const Tensors& in, const Attributes& a) {
+        auto stride = attr_ints(a, "stride");
+        // ATen reads only the input's sizes, dtype and layout here.
+        at::Tensor input = at::empty(attr_ints(a, "input_size"),
+                                     in[0].options().memory_format(in[0].suggest_memory_format()));
+        return one(std::get<0>(at::convolution_backward(
+            in[0], input, in[1], c10::nullopt, stride, attr_ints(a, "padding"), attr_ints(a, "dilation"), false,
+            std::vector<int64_t>(stride.size(), 0), attr_int(a, "groups", 1), {true, false, false})));
+      },
+      [](const BackwardArgs& a) -> variable_list {
+        variable_list r(2);
+        const Variable& gg = G(a);
+        if (!gg.defined()) return r;
+        auto stride = attr_ints(a.attrs, "stride"), padding = attr_ints(a.attrs, "padding"),
+             dilation = attr_ints(a.attrs, "dilation");
+        const int64_t groups = attr_int(a.attrs, "groups", 1);
+        const Variable &g = In(a, 0), &w = In(a, 1);
+        if (a.needs(0))
+          r[0] = convolution_op(gg, w, {}, stride, padding, dilation, false,
+                                std::vector<int64_t>(stride.size(), 0), groups);
+        if (a.needs(1)) r[1] = conv_weight_grad(gg, g, meta_sizes(a, 1), stride, padding, dilation, groups);
         return r;
       });
 

@@ -5,8 +5,10 @@
 /// is differentiable to any order and reported to the trace hook.
 ///
 /// The table entries behind them (ops/op_schema.hpp) are ATen's lower-level ops:
-/// `convolution` (also transposed) and `convolution_weight_backward` (the weight gradient,
-/// whose own backward is again two convolutions), `max_pool2d_with_indices` (values and
+/// `convolution` (also transposed), `convolution_input_backward` and
+/// `convolution_weight_backward` (the input and weight gradients through ATen's
+/// `convolution_backward`, libtorch's kernels; the backward of each is again a convolution
+/// and the other gradient), `max_pool2d_with_indices` (values and
 /// int64 indices; its backward `max_pool2d_with_indices_backward` scatters by the indices
 /// and is differentiated by gathering by them),
 /// `avg_pool2d` / `adaptive_avg_pool2d` and their backward ops (linear; the backward of each

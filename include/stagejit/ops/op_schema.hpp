@@ -105,6 +105,7 @@ namespace stagejit {
   X(cross) \
   X(convolution) \
   X(convolution_weight_backward) \
+  X(convolution_input_backward) \
   X(max_pool2d_with_indices) \
   X(max_pool2d_with_indices_backward) \
   X(avg_pool2d) \
@@ -236,6 +237,7 @@ inline constexpr std::array<OpSchema, num_ops> op_schemas{{
     {.id = OpId::cross, .name = "cross", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b11, .attributes = "dim (optional: the first dimension of size 3)", .backward_name = "CrossBackward"},
     {.id = OpId::convolution, .name = "convolution", .min_inputs = 2, .max_inputs = 3, .saved_inputs = 0b011, .attributes = "stride, padding, dilation (int lists), transposed (bool), output_padding (int list), groups; inputs: input, weight, bias (optional)", .backward_name = "ConvolutionBackward"},
     {.id = OpId::convolution_weight_backward, .name = "convolution_weight_backward", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b11, .attributes = "weight_size, stride, padding, dilation (int lists), groups; inputs: input, grad_output of a (non-transposed) convolution; result: the weight's gradient", .backward_name = "ConvolutionWeightBackwardBackward"},
+    {.id = OpId::convolution_input_backward, .name = "convolution_input_backward", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b11, .attributes = "input_size, stride, padding, dilation (int lists), groups; inputs: grad_output, weight of a (non-transposed) convolution; result: the input's gradient (ATen's convolution_backward, not a transposed convolution)", .backward_name = "ConvolutionInputBackwardBackward"},
     {.id = OpId::max_pool2d_with_indices, .name = "max_pool2d_with_indices", .saves_outputs = true, .attributes = "kernel_size, stride, padding, dilation (int lists), ceil_mode (bool); outputs: values, indices (int64, flat over H*W, not differentiable)", .backward_name = "MaxPool2DWithIndicesBackward"},
     {.id = OpId::max_pool2d_with_indices_backward, .name = "max_pool2d_with_indices_backward", .min_inputs = 2, .max_inputs = 2, .saved_inputs = 0b10, .attributes = "input_size (int list), kernel_size, stride, padding, dilation, ceil_mode (as max_pool2d_with_indices); inputs: grad_output, indices (int64)", .backward_name = "MaxPool2DWithIndicesBackwardBackward"},
     {.id = OpId::avg_pool2d, .name = "avg_pool2d", .attributes = "kernel_size, stride, padding (int lists), ceil_mode (default false), count_include_pad (default true)", .backward_name = "AvgPool2DBackward"},
