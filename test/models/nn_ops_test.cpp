@@ -183,6 +183,9 @@ TEST_SUITE("models") {
         {"dilation", rnd({2, 2, 7, 7}), {2, 3}, {1, 2}, {0, 1}, {2, 2}, false},
         {"unbatched", rnd({3, 5, 5}), {2, 2}, {2, 1}, {0, 0}, {1, 1}, true},
         {"channels-last", channels_last(rnd({2, 3, 6, 5})), {3, 2}, {2, 2}, {1, 1}, {1, 1}, false},
+        // 8 channels or more: the op runs ATen's channels-last kernel on a copy.
+        {"8 channels", rnd({2, 8, 6, 6}), {2, 2}, {}, {0, 0}, {1, 1}, false},
+        {"9 channels, overlapping windows, ceil_mode", rnd({1, 9, 7, 6}), {3, 3}, {2, 2}, {1, 1}, {1, 1}, true},
     };
     for (const auto& c : cases) {
       SjFn sj_fn = [c](const sj::variable_list& v) -> sj::variable_list {
@@ -202,6 +205,27 @@ TEST_SUITE("models") {
       };
       check_op("max_pool2d " + c.name, {c.x}, {true}, sj_fn, torch_fn, 2);
       check_op("max_pool2d squared " + c.name, {c.x}, {true}, sj_sq, torch_sq, 2);
+    }
+  }
+
+  TEST_CASE("max_pool2d of 8 or more channels: ATen's values and indices exactly, in ATen's layout") {
+    at::manual_seed(1195);
+    for (auto dtype : {at::kFloat, at::kDouble}) {
+      const at::Tensor x = at::randn({3, 16, 9, 10}, at::TensorOptions().dtype(dtype));
+      auto [ref_values, ref_indices] = at::max_pool2d_with_indices(x, {3, 2}, {2, 2}, {1, 0}, {1, 1}, true);
+      auto y = sj::ops::run_forward(sj::ops::get("max_pool2d_with_indices"), {x},
+                                    {{"kernel_size", std::vector<int64_t>{3, 2}},
+                                     {"stride", std::vector<int64_t>{2, 2}},
+                                     {"padding", std::vector<int64_t>{1, 0}},
+                                     {"dilation", std::vector<int64_t>{1, 1}},
+                                     {"ceil_mode", true}});
+      REQUIRE(y.size() == 2);
+      CHECK(at::equal(y[0], ref_values));
+      CHECK(at::equal(y[1], ref_indices));
+      CHECK(y[0].is_contiguous());
+      CHECK(y[1].is_contiguous());
+      // Through the free function too.
+      CHECK(at::equal(sj::max_pool2d(sj::Variable(x), {3, 2}, {2, 2}, {1, 0}, {1, 1}, true).data(), ref_values));
     }
   }
 

@@ -66,7 +66,9 @@ Variable conv_transpose2d(const Variable& input, const Variable& weight, const V
 /// `kernel_size`; padding (implicit -inf) at most half the kernel; `ceil_mode` rounds the
 /// output size up (windows starting in the padding are dropped). The gradient goes to the
 /// first maximum of each window (ATen's indices). `ShapeError` for bad sizes (an output of
-/// size < 1, padding over half the kernel).
+/// size < 1, padding over half the kernel). On CPU, a contiguous [N, C, H, W] input of 8 or
+/// more channels is pooled by ATen's channels-last kernel (vectorised over C) on a copy:
+/// the same values and indices, returned contiguous as ATen's NCHW kernel returns them.
 Variable max_pool2d(const Variable& input, std::vector<int64_t> kernel_size,
                     std::vector<int64_t> stride = {}, std::vector<int64_t> padding = {0, 0},
                     std::vector<int64_t> dilation = {1, 1}, bool ceil_mode = false);
