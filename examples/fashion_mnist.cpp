@@ -147,7 +147,6 @@ Split load_split(const std::string& dir, const std::string& prefix) {
 using mlp::Params;
 using mlp::Sgd;
 
-
 /// Which network is trained: the MLP, or the CNN (with batch norm when `cnn.batch_norm`).
 struct Model {
   bool is_cnn = false;

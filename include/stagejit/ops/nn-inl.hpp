@@ -242,7 +242,8 @@ void define_nn_ops(Def& def) {
         const int64_t groups = attr_int(a.attrs, "groups", 1);
         const Variable &x = In(a, 0), &w = In(a, 1);
         if (!attr_bool(a.attrs, "transposed", false)) {
-          // y = conv(x, w): dx = conv_transpose(g, w), dw = the weight gradient of (x, g).
+          // y = conv(x, w): dx = conv_transpose(g, w) in value, from ATen's input-gradient
+          // kernel; dw = the weight gradient of (x, g).
           if (a.needs(0)) r[0] = conv_input_grad(g, w, meta_sizes(a, 0), stride, padding, dilation, groups);
           if (a.needs(1)) r[1] = conv_weight_grad(x, g, meta_sizes(a, 1), stride, padding, dilation, groups);
         } else {
