@@ -116,32 +116,60 @@ STAGEJIT_FUNC Variable convolution_op(const Variable& input, const Variable& wei
                      {"output_padding", std::move(output_padding)}, {"groups", groups}})[0];
 }
 
-// The gradient of a convolution's weight (of sizes `weight_size`) for `input` and
-// `grad_output`.
-STAGEJIT_FUNC Variable conv_weight_grad(const Variable& input, const Variable& grad_output,
-                                        std::vector<int64_t> weight_size, std::vector<int64_t> stride,
-                                        std::vector<int64_t> padding, std::vector<int64_t> dilation,
-                                        int64_t groups) {
-  static const OpDef& d = ops::def(OpId::convolution_weight_backward);
-  return ops::apply(d, {input, grad_output},
-                    {{"weight_size", std::move(weight_size)}, {"stride", std::move(stride)},
+// One gradient of a (non-transposed) convolution from ATen's convolution_backward, the
+// kernels libtorch's own backward runs: `convolution_weight_backward` of (input,
+// grad_output), `size` the weight's, or `convolution_input_backward` of (grad_output,
+// weight), `size` the input's (a transposed convolution gives the input gradient too,
+// but on CPU through a far slower im2col kernel).
+STAGEJIT_FUNC Variable conv_grad(OpId id, const Variable& a, const Variable& b, std::vector<int64_t> size,
+                                 std::vector<int64_t> stride, std::vector<int64_t> padding,
+                                 std::vector<int64_t> dilation, int64_t groups) {
+  const bool weight = id == OpId::convolution_weight_backward;
+  return ops::apply(ops::def(id), {a, b},
+                    {{weight ? "weight_size" : "input_size", std::move(size)}, {"stride", std::move(stride)},
                      {"padding", std::move(padding)}, {"dilation", std::move(dilation)},
                      {"groups", groups}})[0];
 }
+// The forward of convolution_input_backward (`input_grad`, inputs grad_output and weight)
+// and convolution_weight_backward (inputs input and grad_output): one output of ATen's
+// convolution_backward. ATen reads only the sizes, dtype and layout of the operand the
+// op does not take, made here from the attribute `input_size` / `weight_size`.
+STAGEJIT_FUNC at::Tensor aten_conv_grad(const Tensors& in, const Attributes& a, bool input_grad) {
+  const auto stride = attr_ints(a, "stride");
+  const at::Tensor& grad_output = input_grad ? in[0] : in[1];
+  const at::Tensor stand_in =
+      input_grad ? at::empty(attr_ints(a, "input_size"),
+                             grad_output.options().memory_format(grad_output.suggest_memory_format()))
+                 : at::zeros(attr_ints(a, "weight_size"), grad_output.options());
+  auto grads = at::convolution_backward(grad_output, input_grad ? stand_in : in[0], input_grad ? in[1] : stand_in,
+                                        c10::nullopt, stride, attr_ints(a, "padding"), attr_ints(a, "dilation"),
+                                        false, std::vector<int64_t>(stride.size(), 0), attr_int(a, "groups", 1),
+                                        {input_grad, !input_grad, false});
+  return input_grad ? std::get<0>(grads) : std::get<1>(grads);
+}
 
-// The gradient of a (non-transposed) convolution's input (of sizes `input_size`) for
-// `grad_output` and `weight`: ATen's convolution_backward, the kernel libtorch's own
-// backward runs (a transposed convolution computes the same but, on CPU, through a far
-// slower im2col kernel).
-STAGEJIT_FUNC Variable conv_input_grad(const Variable& grad_output, const Variable& weight,
-                                       std::vector<int64_t> input_size, std::vector<int64_t> stride,
-                                       std::vector<int64_t> padding, std::vector<int64_t> dilation,
-                                       int64_t groups) {
-  static const OpDef& d = ops::def(OpId::convolution_input_backward);
-  return ops::apply(d, {grad_output, weight},
-                    {{"input_size", std::move(input_size)}, {"stride", std::move(stride)},
-                     {"padding", std::move(padding)}, {"dilation", std::move(dilation)},
-                     {"groups", groups}})[0];
+// The backward of those two ops (their inputs (grad_output, weight) or (input,
+// grad_output)): a convolution for one input and the other gradient for the other.
+STAGEJIT_FUNC variable_list conv_grad_backward(const BackwardArgs& a, bool input_grad) {
+  variable_list r(2);
+  const Variable& gg = G(a);
+  if (!gg.defined()) return r;
+  auto stride = attr_ints(a.attrs, "stride"), padding = attr_ints(a.attrs, "padding"),
+       dilation = attr_ints(a.attrs, "dilation");
+  const int64_t groups = attr_int(a.attrs, "groups", 1);
+  const std::vector<int64_t> no_padding(stride.size(), 0);
+  if (input_grad) {  // dx(g, w)
+    const Variable &g = In(a, 0), &w = In(a, 1);
+    if (a.needs(0)) r[0] = convolution_op(gg, w, {}, stride, padding, dilation, false, no_padding, groups);
+    if (a.needs(1)) r[1] = conv_grad(OpId::convolution_weight_backward, gg, g,
+                                     meta_sizes(a, 1), stride, padding, dilation, groups);
+  } else {  // dw(x, g)
+    const Variable &x = In(a, 0), &g = In(a, 1);
+    if (a.needs(0)) r[0] = conv_grad(OpId::convolution_input_backward, g, gg,
+                                     meta_sizes(a, 0), stride, padding, dilation, groups);
+    if (a.needs(1)) r[1] = convolution_op(x, gg, {}, stride, padding, dilation, false, no_padding, groups);
+  }
+  return r;
 }
 
 STAGEJIT_FUNC Variable gather_op(const Variable& input, int64_t dim, const Variable& index) {
@@ -244,8 +272,10 @@ void define_nn_ops(Def& def) {
         if (!attr_bool(a.attrs, "transposed", false)) {
           // y = conv(x, w): dx = conv_transpose(g, w) in value, from ATen's input-gradient
           // kernel; dw = the weight gradient of (x, g).
-          if (a.needs(0)) r[0] = conv_input_grad(g, w, meta_sizes(a, 0), stride, padding, dilation, groups);
-          if (a.needs(1)) r[1] = conv_weight_grad(x, g, meta_sizes(a, 1), stride, padding, dilation, groups);
+          if (a.needs(0)) r[0] = conv_grad(OpId::convolution_input_backward, g, w,
+                                           meta_sizes(a, 0), stride, padding, dilation, groups);
+          if (a.needs(1)) r[1] = conv_grad(OpId::convolution_weight_backward, x, g,
+                                           meta_sizes(a, 1), stride, padding, dilation, groups);
         } else {
           // y = conv_transpose(x, w), the adjoint of conv(., w): dx = conv(g, w), and dw
           // the weight gradient of conv(g, w) at grad_output x. An output_padding of at
@@ -269,64 +299,22 @@ void define_nn_ops(Def& def) {
               extra[i + 2] = output_padding[i] / stride[i];
               xp = cat({xp, zeros_of(extra, a.input_meta[0].options)}, static_cast<int64_t>(i + 2));
             }
-            r[1] = conv_weight_grad(g, xp, meta_sizes(a, 1), stride, padding, dilation, groups);
+            r[1] = conv_grad(OpId::convolution_weight_backward, g, xp,
+                             meta_sizes(a, 1), stride, padding, dilation, groups);
           }
         }
         if (r.size() == 3 && a.needs(2)) r[2] = sum(g, dims_except(g.dim(), 1));
         return r;
       });
-  // The weight gradient of y = conv(input, w) for grad_output: bilinear in (input,
-  // grad_output), <gg, result> = <grad_output, conv(input, gg)>, so its backward is
-  // conv_transpose(grad_output, gg) for the input and conv(input, gg) for grad_output.
+  // The weight gradient of y = conv(x, w) for grad_output g, and the input gradient: both
+  // bilinear, <gg, dw(x, g)> = <g, conv(x, gg)> and <gg, dx(g, w)> = <conv(gg, w), g>, so
+  // the backward of each is a convolution and the other gradient (conv_grad_backward).
   def(OpId::convolution_weight_backward,
-      [](const Tensors& in, const Attributes& a) {
-        auto stride = attr_ints(a, "stride");
-        at::Tensor weight = at::zeros(attr_ints(a, "weight_size"), in[0].options());
-        return one(std::get<1>(at::convolution_backward(
-            in[1], in[0], weight, c10::nullopt, stride, attr_ints(a, "padding"), attr_ints(a, "dilation"),
-            false, std::vector<int64_t>(stride.size(), 0), attr_int(a, "groups", 1), {false, true, false})));
-      },
-      [](const BackwardArgs& a) -> variable_list {
-        variable_list r(2);
-        const Variable& gg = G(a);
-        if (!gg.defined()) return r;
-        auto stride = attr_ints(a.attrs, "stride"), padding = attr_ints(a.attrs, "padding"),
-             dilation = attr_ints(a.attrs, "dilation");
-        const int64_t groups = attr_int(a.attrs, "groups", 1);
-        const Variable &x = In(a, 0), &g = In(a, 1);
-        if (a.needs(0)) r[0] = conv_input_grad(g, gg, meta_sizes(a, 0), stride, padding, dilation, groups);
-        if (a.needs(1))
-          r[1] = convolution_op(x, gg, {}, stride, padding, dilation, false,
-                                std::vector<int64_t>(stride.size(), 0), groups);
-        return r;
-      });
-  // The input gradient of y = conv(x, weight) for grad_output: bilinear in (grad_output,
-  // weight), <gg, result> = <conv(gg, weight), grad_output>, so its backward is conv(gg,
-  // weight) for grad_output and the weight gradient of conv(gg, .) at grad_output.
+      [](const Tensors& in, const Attributes& a) { return one(aten_conv_grad(in, a, /*input_grad=*/false)); },
+      [](const BackwardArgs& a) { return conv_grad_backward(a, /*input_grad=*/false); });
   def(OpId::convolution_input_backward,
-      [](const Tensors& in, const Attributes& a) {
-        auto stride = attr_ints(a, "stride");
-        // ATen reads only the input's sizes, dtype and layout here.
-        at::Tensor input = at::empty(attr_ints(a, "input_size"),
-                                     in[0].options().memory_format(in[0].suggest_memory_format()));
-        return one(std::get<0>(at::convolution_backward(
-            in[0], input, in[1], c10::nullopt, stride, attr_ints(a, "padding"), attr_ints(a, "dilation"), false,
-            std::vector<int64_t>(stride.size(), 0), attr_int(a, "groups", 1), {true, false, false})));
-      },
-      [](const BackwardArgs& a) -> variable_list {
-        variable_list r(2);
-        const Variable& gg = G(a);
-        if (!gg.defined()) return r;
-        auto stride = attr_ints(a.attrs, "stride"), padding = attr_ints(a.attrs, "padding"),
-             dilation = attr_ints(a.attrs, "dilation");
-        const int64_t groups = attr_int(a.attrs, "groups", 1);
-        const Variable &g = In(a, 0), &w = In(a, 1);
-        if (a.needs(0))
-          r[0] = convolution_op(gg, w, {}, stride, padding, dilation, false,
-                                std::vector<int64_t>(stride.size(), 0), groups);
-        if (a.needs(1)) r[1] = conv_weight_grad(gg, g, meta_sizes(a, 1), stride, padding, dilation, groups);
-        return r;
-      });
+      [](const Tensors& in, const Attributes& a) { return one(aten_conv_grad(in, a, /*input_grad=*/true)); },
+      [](const BackwardArgs& a) { return conv_grad_backward(a, /*input_grad=*/true); });
 
   // ---- pooling over the last two dimensions of [N, C, H, W] or [C, H, W]
   def(OpId::max_pool2d_with_indices,
