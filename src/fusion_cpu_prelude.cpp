@@ -81,6 +81,20 @@ inline Vec<float> tanh(const Vec<float>& x) {
 #endif
 }
 
+/// erf with SLEEF's erf_u10 (1 ulp), the function ATen's CPU erf kernel gives: libtorch
+/// 2.x's `Vectorized<float>::erf` is instead a polynomial with about 1e-7 absolute error
+/// (erf(1e-30) comes out near 0, not 1.128e-30); 1.13's member was SLEEF's already.
+inline Vec<float> erf(const Vec<float>& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec<float>(Sleef_erff16_u10(x));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec<float>(Sleef_erff8_u10(x));
+#else
+  return x.erf();
+#endif
+}
+inline Vec<double> erf(const Vec<double>& x) { return x.erf(); }
+
 /// Loads `count` (<= Vec<T>::size()) elements of storage type S at stride `s`,
 /// converted to T. Unused lanes are zero.
 template <class T, class S>

@@ -15,6 +15,8 @@
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ops/op_schema.hpp>
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
 #include <cctype>
 #include <optional>
@@ -41,7 +43,8 @@ template <class X> inline X sin(const X& a) { return a.sin(); }
 template <class X> inline X cos(const X& a) { return a.cos(); }
 template <class X> inline X fabs(const X& a) { return a.abs(); }
 template <class X> inline X pow(const X& a, const X& b) { return a.pow(b); }
-template <class X> inline X erf(const X& a) { return a.erf(); }
+template <class X> inline X erf(const X& a) { return sjk::erf(a); }
+template <class X> inline X expm1(const X& a) { return a.expm1(); }
 template <class X> inline X log1p(const X& a) { return a.log1p(); }
 /// ATen's sign kernel: (0 < a) - (a < 0), 0 for NaN.
 template <class X> inline X sign(const X& a) {
@@ -184,6 +187,17 @@ inline std::string finalise_template(std::string_view tpl, const ir::Op& op, con
 
 /// `node` as an elementwise op of the table, or a FusionError saying why it cannot be
 /// fused (not an op, an unknown op, not elementwise); shared by both dialects.
+/// Whether the ATen in use computes ELU's negative side with expm1 (libtorch from
+/// pytorch#173968, early 2026) rather than exp - 1 (1.13 and the versions before): probed
+/// once on a double of -1e-20, where exp(x) - 1 is 0 and expm1(x) is not.
+inline bool aten_elu_uses_expm1() {
+  static const bool uses = [] {
+    at::NoGradGuard no_grad;
+    return at::elu(at::full({1}, -1e-20, at::TensorOptions().dtype(at::kDouble))).item<double>() != 0.0;
+  }();
+  return uses;
+}
+
 inline const ir::Op& fusable_op(const ir::Node& node) {
   const auto* op = node.get_if<ir::Op>();
   if (!op) throw FusionError("fusion: node #" + std::to_string(node.id()) + " (" + node.describe() + ") is not an op");
@@ -321,9 +335,11 @@ inline std::string op_expression(const ir::Node& node, const std::vector<std::st
     case OpId::elu: {
       need(1);
       const std::string alpha = literal(number_attribute(*op, "alpha").value_or(1.0));
-      // ATen's kernel: x <= 0 ? (exp(x) - 1) * alpha : x (exp - 1, not expm1).
-      return "V::blendv(" + a[0] + ", (sjf::exp(" + a[0] + ") - " + literal(1) + ") * " + alpha + ", " + a[0] + " <= " +
-             literal(0) + ")";
+      // ATen's kernel: x <= 0 ? expm1(x) * alpha : x, or (exp(x) - 1) * alpha in the
+      // libtorch versions before pytorch#173968 (1.13 among them): as the ATen in use does.
+      const std::string em1 = aten_elu_uses_expm1() ? "sjf::expm1(" + a[0] + ")"
+                                                    : "(sjf::exp(" + a[0] + ") - " + literal(1) + ")";
+      return "V::blendv(" + a[0] + ", " + em1 + " * " + alpha + ", " + a[0] + " <= " + literal(0) + ")";
     }
     case OpId::leaky_relu: {
       need(1);
