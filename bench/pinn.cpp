@@ -152,6 +152,10 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "Seeds the weights and the points")->capture_default_str();
   app.add_flag("--gemm-detail", gemm_detail, "In the profiled round, list each mode's products by "
                "operand shapes (time, count)");
+  bool cross_stage = false;
+  app.add_flag("--cross-stage-gradients", cross_stage,
+               "Staged compiled mode with CompileOptions::cross_stage_gradients (each backward stage "
+               "stops at the earlier stages' values and hands their gradients on; default off)");
   bool level_field = false;
   app.add_flag("--level-field", level_field,
                "glibc keeps freed memory in the heap (mallopt, as bench/closure's level field), so "
@@ -181,7 +185,8 @@ int main(int argc, char** argv) {
                           "stagejit eager", "libtorch eager"};
   constexpr std::size_t kModes = 4;
   std::vector<std::unique_ptr<Stepper>> steppers;
-  for (Mode m : modes) steppers.push_back(std::make_unique<Stepper>(m, data));
+  for (Mode m : modes) steppers.push_back(std::make_unique<Stepper>(m, data, cross_stage));
+  if (cross_stage) std::printf("staged compiled: cross-stage gradients on\n");
 
   std::printf("Burgers PINN step (loss + gradients of %zu parameter tensors), network 2-20x8-1 tanh, "
               "N_u %lld, N_f %lld, %s; median of %d rounds after %d warm-up rounds\n",

@@ -162,6 +162,12 @@ void deliver(GraphTask& task, uint64_t producer, const std::vector<Edge>& edges,
 // Sums a ready node's buffer into its inputs (Note [Deterministic fan-in]); stores captures.
 void gather(GraphTask& task, uint32_t idx) {
   Node& node = task.nodes[idx];
+  // Sums into a compiled stage's inputs use its host cache (ClosureImpl::caches_host_memory).
+  bool cache = task.cache_host_memory;
+  if (!cache && node.buffer.size() > 1)
+    if (const auto* c = std::get_if<ClosureFunction>(&node.fn->kind); c && c->impl)
+      cache = c->impl->caches_host_memory();
+  memory::HostCacheScope host_cache(cache);
   std::size_t n = node.fn->num_inputs;
   for (auto& c : node.buffer) n = std::max<std::size_t>(n, c.slot + 1);
   node.inputs.assign(n, Variable());

@@ -302,9 +302,11 @@ inline const char* mode_name(Mode m) {
 /// - Libtorch: the same code with torch::Tensor and torch::autograd::grad.
 class Stepper {
  public:
-  Stepper(Mode mode, const TrainingData& data)
+  /// `cross_stage_gradients`: the Compiled mode's `CompileOptions::cross_stage_gradients`
+  /// (bench/pinn --cross-stage-gradients measures what it brings).
+  Stepper(Mode mode, const TrainingData& data, bool cross_stage_gradients = false)
       : mode_(mode), data_(data),
-        net_(sj::compile(&Stepper::net_fn, {.derivatives = 3})),
+        net_(sj::compile(&Stepper::net_fn, {.derivatives = 3, .cross_stage_gradients = cross_stage_gradients})),
         loss_(sj::compile(&Stepper::loss_fn, {.derivatives = 1})) {}
 
   Mode mode() const { return mode_; }

@@ -119,6 +119,12 @@ class ClosureImpl {
     return apply(std::move(inputs), needed);
   }
   virtual std::string_view name() const = 0;
+  /// True when the closure's own tensors come from `memory::HostCachingAllocator`
+  /// (`CompileOptions::cache_host_memory`): the engine then also sums the gradients
+  /// several producers send to one of its inputs from that cache, as the closure's own
+  /// work would (the sums belong to it; from glibc, an 800 KiB sum per call is a fresh
+  /// mapping faulted in page by page).
+  virtual bool caches_host_memory() const { return false; }
 };
 struct ClosureFunction { std::shared_ptr<ClosureImpl> impl; };
 

@@ -42,6 +42,11 @@ class TraceHook {
   virtual void record_eval(const Function& fn, const variable_list& grad_inputs,
                            const variable_list& grad_outputs,
                            const std::shared_ptr<Function>& backward_of_outputs) = 0;
+  /// The gradient edge a table op run now gives its input `v` (`Variable::gradient_edge`
+  /// unless the hook cuts it: the multi-stage tracer gives a value of an earlier stage,
+  /// read by an op of a later one, an edge of its own, Note [Cross-stage gradients] in
+  /// trace/trace.hpp).
+  virtual Edge gradient_edge_of(const Variable& v) { return v.gradient_edge(); }
 };
 
 /// The hook current on this thread, or null (one pointer load per op when null).

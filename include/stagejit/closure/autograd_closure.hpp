@@ -60,6 +60,7 @@ struct MultiStageClosure {
   std::vector<StageClosure> stages;
   std::vector<StageFlags> flags;                      ///< per stage, from the trace
   std::vector<std::vector<std::size_t>> gradient_of;  ///< per stage, from the trace
+  std::vector<std::vector<StageInputRef>> feeds;      ///< per stage, from the trace
   /// Run a stage's independent branches on the engine's worker threads
   /// (`CompileOptions::inter_op_parallel`); false: on the calling thread only.
   bool inter_op_parallel = false;
@@ -80,6 +81,7 @@ struct MultiStageClosure {
     for (std::size_t s = 0; s < plan.num_stages(); ++s) {
       flags.push_back(trace.flags(s));
       gradient_of.push_back(trace.gradient_of(s));
+      feeds.push_back(trace.feeds(s));
     }
   }
 
@@ -176,6 +178,8 @@ class StageCall final : public ClosureImpl {
   }
 
   std::string_view name() const override { return name_; }
+
+  bool caches_host_memory() const override { return desc_->cache_host_memory; }
 
   /// The stage this call runs.
   std::size_t stage() const noexcept { return stage_; }
@@ -282,8 +286,10 @@ class StageCall final : public ClosureImpl {
     STAGEJIT_CHECK(stage_ + 1 < d.num_stages(), "compiled stage ", stage_,
                    " is the last of ", d.num_stages(), " stages");
     auto [values, handles, versions] = primed(state);
-    return std::make_shared<StageCall>(desc_, stage_ + 1, std::move(values), std::move(handles),
-                                       input_edges_, std::move(versions));
+    auto call = std::make_shared<StageCall>(desc_, stage_ + 1, std::move(values), std::move(handles),
+                                            input_edges_, std::move(versions));
+    call->stage_functions_ = stage_functions_;
+    return call;
   }
 
   /// Runs the stage on `inputs` (see `run`) and links its outputs to the next stage as
@@ -349,9 +355,7 @@ class StageCall final : public ClosureImpl {
     if (GradMode::is_enabled() && d.linked()) {
       bool any = false;
       for (std::size_t i = 0; i < outs.size(); ++i) any = any || (wants[i] && outs[i].defined());
-      bool any_edge = false;
-      for (const auto& e : edges) any_edge = any_edge || e.is_valid();
-      if (any && any_edge) grad_fn = make_next(state, edges);
+      if (any) grad_fn = make_next(state, edges);
     }
     variable_list result;
     result.reserve(outs.size());
@@ -388,28 +392,49 @@ class StageCall final : public ClosureImpl {
                : out;
   }
 
+  /// The grad_fn of this call's outputs: the call of the next stage, whose next_functions
+  /// are the edges of the graph inputs its regular outputs are gradients of, then, for
+  /// its cross-stage gradients (Note [Cross-stage gradients] in trace/trace.hpp), the
+  /// gradient inputs of the earlier calls of this chain that differentiate the values'
+  /// producers. Null when no edge leads anywhere.
   std::shared_ptr<Function> make_next(CallState& state, const std::vector<Edge>& edges) {
     const auto& d = *desc_;
     const std::size_t next = stage_ + 1;
-    uint32_t num_grads = 0;
-    for (const auto& f : d.flags[stage_].outputs) num_grads += f.requires_grad ? 1 : 0;
     if (next >= d.num_stages()) {
-      num_grads = static_cast<uint32_t>(d.flags[stage_].outputs.size());
+      const auto num_grads = static_cast<uint32_t>(d.flags[stage_].outputs.size());
       std::vector<Edge> live;
       for (const auto& e : edges)
         if (e.is_valid()) live.push_back(e);
+      for (const auto& f : stage_functions_)
+        if (auto fn = f.lock()) live.push_back(Edge{std::move(fn), 0});
+      if (live.empty()) return nullptr;
       return make_function(ErrorFunction{"stagejit: the function was compiled only for " +
                                          std::to_string(d.num_stages() - 1) +
                                          " derivatives; trace more with "
                                          "CompileOptions::derivatives"},
                            std::move(live), num_grads);
     }
-    auto [values, handles, versions] = primed(state);
     std::vector<Edge> next_edges;
-    for (std::size_t gi : d.gradient_of[next]) next_edges.push_back(gi < edges.size() ? edges[gi] : Edge{});
+    bool any_edge = false;
+    for (std::size_t gi : d.gradient_of[next]) {
+      next_edges.push_back(gi < edges.size() ? edges[gi] : Edge{});
+      any_edge = any_edge || next_edges.back().is_valid();
+    }
+    for (const StageInputRef& f : d.feeds[next]) {
+      std::shared_ptr<Function> fn = f.stage < stage_functions_.size() ? stage_functions_[f.stage].lock() : nullptr;
+      next_edges.push_back(fn ? Edge{std::move(fn), static_cast<uint32_t>(f.index)} : Edge{});
+      any_edge = any_edge || next_edges.back().is_valid();
+    }
+    if (!any_edge) return nullptr;
+    auto [values, handles, versions] = primed(state);
     auto impl = std::make_shared<StageCall>(desc_, next, std::move(values), std::move(handles), edges,
                                             std::move(versions));
-    return make_function(ClosureFunction{std::move(impl)}, std::move(next_edges), num_grads);
+    impl->stage_functions_ = stage_functions_;
+    impl->stage_functions_.resize(d.num_stages());
+    const auto num_grads = static_cast<uint32_t>(d.flags[next].inputs.size());
+    auto fn = make_function(ClosureFunction{impl}, std::move(next_edges), num_grads);
+    impl->stage_functions_[next] = fn;
+    return fn;
   }
 
   /// The cross-stage values and Handles a stage after this one reads, from this call's
@@ -465,6 +490,10 @@ class StageCall final : public ClosureImpl {
   std::vector<std::shared_ptr<Function>> env_handles_;
   std::vector<Edge> input_edges_;
   std::vector<int64_t> env_versions_;  ///< per slot: the env value's version when captured, or -1
+  /// Per stage t >= 1: the Function of stage t of this chain of calls (the grad_fn an
+  /// earlier call made), where cross-stage gradients of stage t-1's values go. Weak: a
+  /// later call's next_functions hold the ones it feeds.
+  std::vector<std::weak_ptr<Function>> stage_functions_;
   std::string name_;
 };
 

@@ -60,6 +60,16 @@ struct CompileOptions {
   /// mode, no work on undefined incoming gradients (closure/specialize.hpp, Note [Stage
   /// variants]). Variants are built on first use and cached per (stage, mask).
   bool specialize = true;
+  /// With two or more derivatives, each backward stage stops at the earlier-stage values
+  /// it reads and hands their gradients to the stage that differentiates their producers,
+  /// so a backward through stages 1..k differentiates the forward once, as libtorch's
+  /// graph does (`TraceOptions::cross_stage_gradients`, Note [Cross-stage gradients] in
+  /// trace/trace.hpp). Off (the default): each stage differentiates back through every
+  /// earlier stage. Same results either way. Measured on the Burgers PINN step
+  /// (bench/pinn.md): on, 125 matrix products instead of 170, but 25 % slower, the
+  /// gradients crossing stages being written out and summed by the engine instead of
+  /// staying inside one stage's fused kernels; worth trying where products dominate.
+  bool cross_stage_gradients = false;
 };
 
 /// A function compiled by `compile`. Copies share one cache.
@@ -181,7 +191,7 @@ class CompiledFunction {
     // compiled call after `at::manual_seed(s)` draws what an eager call would.
     Trace tr = [&] {
       GeneratorStates saved;
-      return trace(state_->fn, leaves, TraceOptions{o.derivatives});
+      return trace(state_->fn, leaves, TraceOptions{o.derivatives, o.cross_stage_gradients});
     }();
     std::shared_ptr<ir::Graph> g = tr.graph();
     if (o.optimize) {

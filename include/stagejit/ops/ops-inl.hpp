@@ -753,8 +753,9 @@ STAGEJIT_FUNC variable_list apply(const OpDef& op, const variable_list& inputs, 
     edges.reserve(inputs.size());
     ob.input_meta.reserve(inputs.size());
     if (op.saved_inputs) ob.saved_inputs.resize(inputs.size());
+    TraceHook* hook = current_trace_hook();
     for (std::size_t i = 0; i < inputs.size(); ++i) {
-      edges.push_back(inputs[i].gradient_edge());
+      edges.push_back(hook ? hook->gradient_edge_of(inputs[i]) : inputs[i].gradient_edge());
       ob.input_meta.push_back(InputMeta{at::DimVector(tensors[i].sizes()), tensors[i].options()});
       if (i < 64 && ((op.saved_inputs >> i) & 1U)) ob.saved_inputs[i] = SavedVariable(inputs[i], false);
     }

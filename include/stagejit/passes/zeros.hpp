@@ -226,9 +226,18 @@ class ZeroPass {
     }
     if (pinned_mode_) {
       // Its outputs must stay its own values: none may become one of its inputs (the
-      // specialised group's outputs replace them through `on_replace`).
-      for (ir::Value* o : outer_of)
-        if (o) return materialise_inputs(n);
+      // specialised group's outputs replace them through `on_replace`). One that would
+      // is copied by the kernel (x * 1 is exact for every float, inf and NaN included)
+      // rather than running the group on materialised zeros, where a zero times an
+      // infinite saved value would make the NaN an undefined gradient does not.
+      for (std::size_t j = 0; j < outer_of.size(); ++j) {
+        if (!outer_of[j]) continue;
+        ir::Node* copy = sub->create(ir::Op::with(OpId::mul, {{"other", 1.0}}), {sub->outputs()[j]},
+                                     {n->output(j)->type()});
+        sub->append(copy);
+        sub->return_node()->replace_input(j, copy->output());
+        outer_of[j] = nullptr;
+      }
     }
     for (std::size_t j = sub->outputs().size(); j-- > 0;)
       if (zero_out[j] || outer_of[j]) sub->erase_output(j);

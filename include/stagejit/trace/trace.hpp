@@ -18,6 +18,32 @@
 /// next stage the tracer records an `Eval` node consuming that Handle, itself with a
 /// Handle output when its own backward is opaque and a further stage is traced.
 ///
+/// Note [Cross-stage gradients] (`TraceOptions::cross_stage_gradients`, k >= 2)
+/// Without it stage s+1 differentiates stage s back to the graph inputs: the values of
+/// earlier stages that stage s reads (the forward's activations, saved for the backward)
+/// are differentiated again through the ops that made them, inside stage s+1. A backward
+/// through stages 1..k (the loss of a physics-informed network, whose gradient in the
+/// weights runs stages 3, 2 and 1) then differentiates the forward k times where
+/// libtorch's one graph sums the incoming gradients at each activation and differentiates
+/// it once. With it, as libtorch's saved variables are gradient edges:
+/// - while tracing stage s (1 <= s < k), an op reading a value v of an earlier stage j
+///   that requires grad gets a *boundary leaf* of (v, s) as the gradient edge of that
+///   input; stage s+1 captures the boundary leaves, so it stops there and returns v's
+///   gradient as an extra output (`Trace::feeds`);
+/// - stage j+1 (1 <= j+1 < k) has an extra gradient input for each value of stage j that
+///   requires grad, flowing into the value as a grad output flows into an output; a
+///   compiled call routes each cross-stage gradient to the extra input of the call of
+///   stage j+1 of its chain, whose backward sums it with the rest;
+/// - a value that is a graph input is not differentiated further anyway: its boundary
+///   gradient is added to the stage's regular output for that input;
+/// - the extra inputs no later stage feeds are symbolic zeros (`passes::propagate_zeros`)
+///   and removed, with the regular outputs that are gradients of them and, in the next
+///   stage, the inputs that are gradients of those outputs.
+/// The stage outputs are then parts of the gradients, not the gradients: what autograd
+/// returns through the compiled calls is the same, what `run_stages` returns per stage
+/// is not. A value whose gradient has nowhere to go (an earlier-stage value read through
+/// an opaque backward) makes `trace` trace again without cutting.
+///
 /// Tracing is thread-local: the hook is installed on the calling thread and the engine
 /// carries it to the thread running each backward function (the backward stages run
 /// single-threaded so the recorded order is deterministic). Ops run elsewhere are not
@@ -40,10 +66,29 @@ namespace stagejit {
 /// How many backward stages `trace` records after the forward.
 struct TraceOptions {
   int derivatives = 0;
+  /// Note [Cross-stage gradients]: with two or more derivatives, a backward stage stops
+  /// at the values of earlier stages it reads and returns their gradients, which flow
+  /// into the stage that differentiates their producers. Off (the default, the seed's
+  /// trace): each stage differentiates back through every earlier stage on its own, and
+  /// its outputs are the whole gradients of the earlier inputs. `compile` passes
+  /// `CompileOptions::cross_stage_gradients`: through autograd the results are the same.
+  bool cross_stage_gradients = false;
+};
+
+/// A stage input named by stage and position among that stage's inputs.
+struct StageInputRef {
+  std::size_t stage = 0;
+  std::size_t index = 0;
+  friend bool operator==(const StageInputRef&, const StageInputRef&) = default;
 };
 
 /// A function traced by `trace` and compiled by `compile`.
 using traced_fn = std::function<variable_list(const variable_list&)>;
+
+class Trace;
+namespace detail {
+inline Trace trace_stages(const traced_fn& fn, const variable_list& inputs, std::size_t k, bool cut);
+}
 
 /// What the trace saw of one Variable (docs/seed-system.md §2.1 VariableFlags without `volatile`).
 struct VariableFlags {
@@ -102,6 +147,11 @@ class Trace {
   /// For s >= 1: the index in `graph()->inputs()` of the input each output of stage s is
   /// the gradient of.
   const std::vector<std::size_t>& gradient_of(std::size_t s) const { return gradient_of_.at(s); }
+  /// For s >= 1: the outputs of stage s after the `gradient_of(s).size()` regular ones are
+  /// gradients of earlier-stage values this stage's backward stopped at (Note
+  /// [Cross-stage gradients]); each feeds the gradient input named here, of the stage that
+  /// differentiates the value's producer. Empty without cross-stage gradients.
+  const std::vector<StageInputRef>& feeds(std::size_t s) const { return feeds_.at(s); }
 
   /// Frees the eager results: the stage outputs and inputs and the output edges, i.e.
   /// the autograd graph the trace recorded with every tensor it saved (a few hundred
@@ -126,12 +176,14 @@ class Trace {
                    "(drop_eager_results)");
   }
   friend Trace trace(const traced_fn&, const variable_list&, TraceOptions);
+  friend Trace detail::trace_stages(const traced_fn&, const variable_list&, std::size_t, bool);
   std::shared_ptr<ir::Graph> graph_;
   std::vector<variable_list> stage_outputs_;
   std::vector<variable_list> stage_inputs_;
   std::vector<StageFlags> flags_;
   std::vector<std::vector<Edge>> output_edges_;
   std::vector<std::vector<std::size_t>> gradient_of_;
+  std::vector<std::vector<StageInputRef>> feeds_;
   bool eager_dropped_ = false;
 };
 

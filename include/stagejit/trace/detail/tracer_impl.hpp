@@ -11,6 +11,11 @@
 #include <stagejit/ir/kinds.hpp>
 #include <stagejit/ir/type.hpp>
 #include <stagejit/trace/host_op_payload.hpp>
+#include <stagejit/passes/dce.hpp>
+#include <stagejit/passes/zeros.hpp>
+#include <stagejit/ops/ops.hpp>
+
+#include <algorithm>
 
 #include <mutex>
 #include <string>
@@ -34,10 +39,57 @@ class TracingState final : public TraceHook {
   }
 
   /// Adds a graph input of `stage` for `v` (defined).
-  void add_input(const Variable& v, std::size_t stage) {
+  ir::Value* add_input(const Variable& v, std::size_t stage) {
     std::lock_guard<std::mutex> lock(mutex_);
     ir::Value* p = graph_->add_input(ir::TensorType::of(v.data()), stage);
     bind(v, p);
+    return p;
+  }
+
+  /// Note [Cross-stage gradients]: while on, an op of the current stage reading a value
+  /// of an earlier stage that requires grad gets, for that input, the gradient edge of a
+  /// boundary leaf of its own (one per value and reading stage) instead of the value's
+  /// grad_fn, so the next stage's backward stops there and returns the value's gradient.
+  void set_cutting(bool on) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    cutting_ = on;
+  }
+
+  /// A boundary leaf: `value` (of an earlier stage) as read by the ops of `stage`.
+  struct Boundary {
+    ir::Value* value;
+    Variable leaf;
+    std::size_t stage;
+  };
+  std::vector<Boundary> boundaries() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return boundaries_;
+  }
+
+  /// Values made by ops of `stage` that require grad, with their Variables, in the order
+  /// they were made.
+  std::vector<std::pair<Variable, ir::Value*>> intermediates(std::size_t stage) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stage < intermediates_.size() ? intermediates_[stage]
+                                         : std::vector<std::pair<Variable, ir::Value*>>{};
+  }
+
+  Edge gradient_edge_of(const Variable& v) override {
+    if (!v.defined() || !v.requires_grad()) return v.gradient_edge();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!cutting_) return v.gradient_edge();
+    auto it = values_.find(v.impl_id());
+    if (it == values_.end()) return v.gradient_edge();
+    ir::Value* value = it->second;
+    const std::size_t now = graph_->current_stage();
+    if (value->stage() >= now) return v.gradient_edge();
+    const auto key = std::make_pair(static_cast<const void*>(value), now);
+    auto b = boundary_index_.find(key);
+    if (b == boundary_index_.end()) {
+      b = boundary_index_.emplace(key, boundaries_.size()).first;
+      boundaries_.push_back(Boundary{value, Variable(v.data(), /*requires_grad=*/true), now});
+    }
+    return boundaries_[b->second].leaf.gradient_edge();
   }
 
   /// Registers `v` as an output of `stage`. An undefined `v` becomes an Undefined node;
@@ -68,7 +120,7 @@ class TracingState final : public TraceHook {
     for (const auto& o : outputs) types.push_back(type_of(o));
     ir::Node* n = graph_->create_and_append(ir::Op::with(op.id, attrs), in, types);
     for (std::size_t i = 0; i < outputs.size(); ++i)
-      if (outputs[i].defined()) bind(outputs[i], n->output(i));
+      if (outputs[i].defined()) bind_made(outputs[i], n->output(i));
   }
 
   void record_host_op(std::string_view name, std::string_view calling_convention,
@@ -88,7 +140,7 @@ class TracingState final : public TraceHook {
     ir::HostOp kind{std::string(name), std::string(calling_convention), scalars, payload};
     ir::Node* n = graph_->create_and_append(std::move(kind), in, types);
     for (std::size_t i = 0; i < outputs.size(); ++i)
-      if (outputs[i].defined()) bind(outputs[i], n->output(i));
+      if (outputs[i].defined()) bind_made(outputs[i], n->output(i));
     if (backward) bind_handle(backward, n->outputs().back());
   }
 
@@ -108,7 +160,7 @@ class TracingState final : public TraceHook {
     if (backward_of_outputs) types.back() = ir::HandleType{};
     ir::Node* n = graph_->create_and_append(ir::Eval{}, in, types);
     for (std::size_t i = 0; i < grad_outputs.size(); ++i)
-      if (grad_outputs[i].defined()) bind(grad_outputs[i], n->output(i));
+      if (grad_outputs[i].defined()) bind_made(grad_outputs[i], n->output(i));
     if (backward_of_outputs) bind_handle(backward_of_outputs, n->outputs().back());
   }
 
@@ -121,6 +173,14 @@ class TracingState final : public TraceHook {
   void bind(const Variable& v, ir::Value* value) {
     values_[v.impl_id()] = value;
     keep_alive_.push_back(v);
+  }
+  // `v`, made by a node of the current stage.
+  void bind_made(const Variable& v, ir::Value* value) {
+    bind(v, value);
+    if (!v.requires_grad()) return;
+    const std::size_t s = graph_->current_stage();
+    if (intermediates_.size() <= s) intermediates_.resize(s + 1);
+    intermediates_[s].emplace_back(v, value);
   }
   void bind_handle(const std::shared_ptr<Function>& fn, ir::Value* value) {
     handles_[fn.get()] = value;
@@ -160,8 +220,18 @@ class TracingState final : public TraceHook {
     return out;
   }
 
+  struct PairHash {
+    std::size_t operator()(const std::pair<const void*, std::size_t>& p) const noexcept {
+      return std::hash<const void*>{}(p.first) * 31 + p.second;
+    }
+  };
+
   std::shared_ptr<ir::Graph> graph_;
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
+  bool cutting_ = false;
+  std::vector<Boundary> boundaries_;
+  std::unordered_map<std::pair<const void*, std::size_t>, std::size_t, PairHash> boundary_index_;
+  std::vector<std::vector<std::pair<Variable, ir::Value*>>> intermediates_;
   std::unordered_map<const void*, ir::Value*> values_;
   std::unordered_map<const Function*, ir::Value*> handles_;
   variable_list keep_alive_;
@@ -172,10 +242,91 @@ class TracingState final : public TraceHook {
 
 namespace stagejit {
 
-inline Trace trace(const traced_fn& fn, const variable_list& inputs, TraceOptions options) {
-  STAGEJIT_CHECK(options.derivatives >= 0, "trace: derivatives must be >= 0, got ",
-                 options.derivatives);
-  const std::size_t k = static_cast<std::size_t>(options.derivatives);
+namespace detail {
+
+/// Thrown inside a cutting trace when a cross-stage gradient has nowhere to go (an
+/// earlier-stage value read later without a gradient input of its own); `trace` then
+/// traces again without cutting (Note [Cross-stage gradients]).
+struct CrossStageFallback {};
+
+// Note [Cross-stage gradients], the pruning step. While tracing, stage s < k got a
+// gradient input for every value of stage s-1 that requires grad (it cannot know yet which
+// of them later stages read). Those no later stage feeds are symbolic zeros: propagated
+// through their stage and removed, with the outputs that are gradients of them (those
+// would flow into inputs nobody has), with the inputs of the next stage that are
+// gradients of those outputs, and so on. Everything is by Value here; indices are
+// rebuilt by the caller.
+struct CrossStagePrune {
+  ir::Graph& g;
+  std::size_t k;
+  // Per stage s >= 1: the graph input each regular input stands for the gradient of
+  // (the stage s-1 output), by output index of stage s-1 (null: that output did not require
+  // grad, no input).
+  std::vector<std::vector<ir::Value*>> input_of_output;
+  // Per stage: the extra inputs (gradient inputs of stage s-1 values).
+  std::vector<std::vector<ir::Value*>> extras;
+  // Per stage s >= 1: the graph input each regular output (the first `old` outputs) is the
+  // gradient of.
+  std::vector<std::vector<ir::Value*>> gradient_of;
+  // Per stage: the extra input each boundary output feeds.
+  std::vector<std::vector<ir::Value*>> feeds;
+
+  // Runs the pruning. Returns, per stage, which outputs to erase, and the inputs to erase.
+  std::pair<std::vector<std::vector<char>>, std::vector<ir::Value*>> run() {
+    std::unordered_map<const ir::Value*, char> fed;
+    for (const auto& f : feeds)
+      for (ir::Value* v : f) fed[v] = 1;
+    std::unordered_map<const ir::Value*, char> dead;  // graph inputs to erase
+    std::vector<std::vector<char>> erase_outputs(k + 1);
+    std::vector<std::vector<ir::Value*>> carry(k + 1);
+    for (std::size_t s = 1; s <= k; ++s) {
+      std::vector<ir::Value*> zeros = carry[s];
+      for (ir::Value* e : extras[s])
+        if (!fed.count(e)) {
+          dead[e] = 1;
+          zeros.push_back(e);
+        }
+      // Regular inputs that are gradients of outputs erased at stage s-1.
+      const auto& prev_erase = erase_outputs[s - 1];
+      for (std::size_t o = 0; o < prev_erase.size() && o < input_of_output[s].size(); ++o)
+        if (prev_erase[o] && input_of_output[s][o]) {
+          dead[input_of_output[s][o]] = 1;
+          zeros.push_back(input_of_output[s][o]);
+        }
+      if (!zeros.empty()) {
+        std::vector<ir::Value*> live = passes::propagate_zeros(g, s, zeros);
+        // Carried zeros of earlier stages are not reported: look at their uses too.
+        live.insert(live.end(), carry[s].begin(), carry[s].end());
+        for (ir::Value* z : live) {
+          auto uses = z->uses();
+          ir::Value* undef = nullptr;
+          for (const ir::Use& u : uses) {
+            if (u.user == g.return_node()) {
+              if (!undef) {
+                g.set_current_stage(s);
+                undef = g.append_undefined();
+              }
+              u.user->replace_input(u.offset, undef);  // a zero gradient is an undefined one
+            } else if (u.user->stage() > s) {
+              auto& c = carry[u.user->stage()];
+              if (std::find(c.begin(), c.end(), z) == c.end()) c.push_back(z);
+            }
+          }
+        }
+      }
+      // Regular outputs that are gradients of inputs being erased.
+      erase_outputs[s].assign(g.stage_output_counts()[s], 0);
+      for (std::size_t o = 0; o < gradient_of[s].size(); ++o)
+        if (dead.count(gradient_of[s][o])) erase_outputs[s][o] = 1;
+    }
+    std::vector<ir::Value*> dead_inputs;
+    for (ir::Value* in : g.inputs())
+      if (dead.count(in)) dead_inputs.push_back(in);
+    return {std::move(erase_outputs), std::move(dead_inputs)};
+  }
+};
+
+inline Trace trace_stages(const traced_fn& fn, const variable_list& inputs, std::size_t k, bool cut) {
   detail::TracingState state;
   Trace t;
   t.graph_ = state.graph();
@@ -187,7 +338,6 @@ inline Trace trace(const traced_fn& fn, const variable_list& inputs, TraceOption
   variable_list leaves;
   leaves.reserve(inputs.size());
   StageFlags flags0;
-  std::vector<std::size_t> leaf_input_index;  // graph-input index of each defined leaf
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const Variable& in = inputs[i];
     flags0.inputs.push_back(VariableFlags::of(in));
@@ -209,23 +359,54 @@ inline Trace trace(const traced_fn& fn, const variable_list& inputs, TraceOption
   t.flags_.push_back(std::move(flags0));
   t.output_edges_.emplace_back();
   t.gradient_of_.emplace_back();
+  t.feeds_.emplace_back();
 
   // Every graph input so far (in graph-input order) and its Variable.
   variable_list all_inputs = leaves;
+  std::vector<ir::Value*> all_input_values = t.graph_->inputs();
+
+  CrossStagePrune prune{*t.graph_, k, {}, {}, {}, {}};
+  prune.input_of_output.emplace_back();
+  prune.extras.emplace_back();
+  prune.gradient_of.emplace_back();
+  prune.feeds.emplace_back();
+  // Extra gradient input of each earlier-stage value that has one.
+  std::unordered_map<const ir::Value*, ir::Value*> extra_input_of;
 
   // ---- stages 1..k: the backward of the previous stage, recorded.
   for (std::size_t s = 1; s <= k; ++s) {
     StageFlags flags;
     variable_list roots_vars, grad_outputs;
-    for (const auto& o : t.stage_outputs_.back()) {
-      if (!o.defined() || !o.requires_grad()) continue;
-      Variable g(at::ones_like(o.data()), /*requires_grad=*/s < k);
-      roots_vars.push_back(o);
+    std::vector<std::size_t> regular_of_output;  // output index of stage s-1 per regular input
+    const variable_list& prev_outs = t.stage_outputs_.back();
+    for (std::size_t o = 0; o < prev_outs.size(); ++o) {
+      const Variable& out = prev_outs[o];
+      if (!out.defined() || !out.requires_grad()) continue;
+      Variable g(at::ones_like(out.data()), /*requires_grad=*/s < k);
+      roots_vars.push_back(out);
       grad_outputs.push_back(g);
       flags.inputs.push_back(VariableFlags::of(g));
+      regular_of_output.push_back(o);
     }
     state.begin_stage(s);
-    for (const auto& g : grad_outputs) state.add_input(g, s);
+    state.set_cutting(cut && s < k);
+    prune.input_of_output.emplace_back(prev_outs.size(), nullptr);
+    for (std::size_t r = 0; r < grad_outputs.size(); ++r)
+      prune.input_of_output[s][regular_of_output[r]] = state.add_input(grad_outputs[r], s);
+    // Note [Cross-stage gradients]: a gradient input for every value of stage s-1 that
+    // requires grad, flowing into it as into an output.
+    prune.extras.emplace_back();
+    if (cut && s < k) {
+      for (auto& [var, value] : state.intermediates(s - 1)) {
+        Variable g(at::ones_like(var.data()), /*requires_grad=*/true);
+        roots_vars.push_back(var);
+        grad_outputs.push_back(g);
+        flags.inputs.push_back(VariableFlags::of(g));
+        ir::Value* in = state.add_input(g, s);
+        extra_input_of[value] = in;
+        prune.extras[s].push_back(in);
+      }
+    }
 
     std::vector<Edge> capture;
     std::vector<std::size_t> gradient_of;
@@ -234,6 +415,15 @@ inline Trace trace(const traced_fn& fn, const variable_list& inputs, TraceOption
       capture.push_back(all_inputs[i].gradient_edge());
       gradient_of.push_back(i);
     }
+    const std::size_t num_regular = capture.size();
+    // The boundary leaves of the stages before (Note [Cross-stage gradients]).
+    std::vector<TracingState::Boundary> bounds;
+    if (cut)
+      for (auto& b : state.boundaries())
+        if (b.stage < s) {
+          capture.push_back(b.leaf.gradient_edge());
+          bounds.push_back(b);
+        }
     variable_list grads(capture.size());
     if (!roots_vars.empty() && !capture.empty()) {
       std::vector<Edge> roots;
@@ -245,18 +435,117 @@ inline Trace trace(const traced_fn& fn, const variable_list& inputs, TraceOption
       opts.capture = capture;
       grads = execute(roots, grad_outputs, opts);
     }
-    for (std::size_t i = 0; i < grads.size(); ++i) {
-      state.add_output(grads[i], s, i, /*require_traced=*/false);
-      flags.outputs.push_back(VariableFlags::of(grads[i]));
+    variable_list stage_outs(grads.begin(), grads.begin() + static_cast<std::ptrdiff_t>(num_regular));
+    std::vector<Edge> out_edges(capture.begin(), capture.begin() + static_cast<std::ptrdiff_t>(num_regular));
+    std::vector<ir::Value*> feeds;
+    {
+      AutoGradMode mode(s < k);
+      for (std::size_t m = 0; m < bounds.size(); ++m) {
+        const Variable& gb = grads[num_regular + m];
+        if (!gb.defined()) continue;
+        const auto& b = bounds[m];
+        if (b.value->node()->is<ir::Param>()) {
+          // A graph input read by a later stage: its gradient joins the regular one.
+          auto pos = std::find(all_input_values.begin(), all_input_values.end(), b.value);
+          const std::size_t gi = static_cast<std::size_t>(pos - all_input_values.begin());
+          auto r = std::find(gradient_of.begin(), gradient_of.end(), gi);
+          if (pos == all_input_values.end() || r == gradient_of.end()) throw CrossStageFallback{};
+          Variable& slot = stage_outs[static_cast<std::size_t>(r - gradient_of.begin())];
+          slot = slot.defined() ? ::stagejit::add(slot, gb) : gb;
+          continue;
+        }
+        auto e = extra_input_of.find(b.value);
+        if (e == extra_input_of.end()) throw CrossStageFallback{};
+        stage_outs.push_back(gb);
+        out_edges.push_back(capture[num_regular + m]);
+        feeds.push_back(e->second);
+      }
     }
+    for (std::size_t i = 0; i < stage_outs.size(); ++i) {
+      state.add_output(stage_outs[i], s, i, /*require_traced=*/false);
+      flags.outputs.push_back(VariableFlags::of(stage_outs[i]));
+    }
+    prune.gradient_of.emplace_back();
+    for (std::size_t gi : gradient_of) prune.gradient_of[s].push_back(all_input_values[gi]);
+    prune.feeds.push_back(feeds);
     t.stage_inputs_.push_back(grad_outputs);
-    t.stage_outputs_.push_back(grads);
+    t.stage_outputs_.push_back(stage_outs);
     t.flags_.push_back(std::move(flags));
-    t.output_edges_.push_back(std::move(capture));
+    t.output_edges_.push_back(std::move(out_edges));
     t.gradient_of_.push_back(std::move(gradient_of));
+    t.feeds_.emplace_back();
     for (const auto& g : grad_outputs) all_inputs.push_back(g);
+    all_input_values = t.graph_->inputs();
+  }
+  state.set_cutting(false);
+  if (!cut) return t;
+
+  // ---- prune the gradient inputs nobody feeds (Note [Cross-stage gradients]).
+  ir::Graph& g = *t.graph_;
+  auto [erase_outputs, dead_inputs] = [&] {
+    try {
+      return prune.run();
+    } catch (const CompileError&) {
+      throw CrossStageFallback{};  // a zero without a type to materialise
+    }
+  }();
+  passes::eliminate_dead_code(g);
+  for (std::size_t s = k; s >= 1; --s) {
+    std::size_t begin = 0;
+    for (std::size_t r = 0; r < s; ++r) begin += g.stage_output_counts()[r];
+    for (std::size_t o = erase_outputs[s].size(); o-- > 0;) {
+      if (!erase_outputs[s][o]) continue;
+      g.erase_output(begin + o);
+      t.flags_[s].outputs.erase(t.flags_[s].outputs.begin() + static_cast<std::ptrdiff_t>(o));
+      t.stage_outputs_[s].erase(t.stage_outputs_[s].begin() + static_cast<std::ptrdiff_t>(o));
+      t.output_edges_[s].erase(t.output_edges_[s].begin() + static_cast<std::ptrdiff_t>(o));
+      prune.gradient_of[s].erase(prune.gradient_of[s].begin() + static_cast<std::ptrdiff_t>(o));
+    }
+  }
+  passes::eliminate_dead_code(g);
+  for (ir::Value* in : dead_inputs) {
+    if (in->has_uses()) throw CrossStageFallback{};
+    const auto& ins = g.inputs();
+    const std::size_t gi = static_cast<std::size_t>(std::find(ins.begin(), ins.end(), in) - ins.begin());
+    const std::size_t s = in->stage();
+    auto stage_ins = g.stage_inputs(s);
+    const std::size_t local = static_cast<std::size_t>(std::find(stage_ins.begin(), stage_ins.end(), in) - stage_ins.begin());
+    t.flags_[s].inputs.erase(t.flags_[s].inputs.begin() + static_cast<std::ptrdiff_t>(local));
+    t.stage_inputs_[s].erase(t.stage_inputs_[s].begin() + static_cast<std::ptrdiff_t>(local));
+    g.erase_input(gi);
+  }
+  // Indices from values.
+  const auto& ins = g.inputs();
+  auto index_of = [&](const ir::Value* v) {
+    return static_cast<std::size_t>(std::find(ins.begin(), ins.end(), v) - ins.begin());
+  };
+  for (std::size_t s = 1; s <= k; ++s) {
+    t.gradient_of_[s].clear();
+    for (ir::Value* v : prune.gradient_of[s]) t.gradient_of_[s].push_back(index_of(v));
+    for (ir::Value* v : prune.feeds[s]) {
+      auto stage_ins = g.stage_inputs(v->stage());
+      t.feeds_[s].push_back(StageInputRef{
+          v->stage(),
+          static_cast<std::size_t>(std::find(stage_ins.begin(), stage_ins.end(), v) - stage_ins.begin())});
+    }
   }
   return t;
+}
+
+}  // namespace detail
+
+inline Trace trace(const traced_fn& fn, const variable_list& inputs, TraceOptions options) {
+  STAGEJIT_CHECK(options.derivatives >= 0, "trace: derivatives must be >= 0, got ",
+                 options.derivatives);
+  const std::size_t k = static_cast<std::size_t>(options.derivatives);
+  if (options.cross_stage_gradients && k >= 2) {
+    try {
+      return detail::trace_stages(fn, inputs, k, /*cut=*/true);
+    } catch (const detail::CrossStageFallback&) {
+      // traced again below, each stage differentiating through the earlier ones
+    }
+  }
+  return detail::trace_stages(fn, inputs, k, /*cut=*/false);
 }
 
 }  // namespace stagejit
