@@ -60,6 +60,19 @@ inline bool is_fusable(const ir::Node& n) {
   return op->schema().elementwise;
 }
 
+/// True for a fusable node worth a kernel of its own: a float `tanh` on the CPU, which the
+/// CPU backend computes in less than half of ATen's time (Cephes' form over SLEEF's expf
+/// in place of SLEEF's tanhf, src/fusion_cpu_prelude.cpp). A tanh network's forward is a
+/// chain of addmm and tanh, where no tanh has a neighbour to fuse with (bench/pinn.md).
+inline bool worth_a_kernel_alone(const ir::Node& n) {
+  const auto* op = n.get_if<ir::Op>();
+  if (!op || op->id() != OpId::tanh || n.inputs().size() != 1) return false;
+  const ir::TensorType* in = n.input(0)->tensor_type();
+  const ir::TensorType* out = n.output(0)->tensor_type();
+  return in && out && in->dtype == at::kFloat && out->dtype == at::kFloat && out->device.is_cpu() &&
+         in->device.is_cpu();
+}
+
 inline int64_t int_attribute(const ir::Op& op, std::string_view key, int64_t fallback) {
   if (const ir::AttributeValue* v = op.attribute(key))
     if (auto i = std::get_if<int64_t>(v)) return *i;
@@ -222,7 +235,8 @@ ir::Node* make_group(ir::Graph& graph, const std::vector<ir::Node*>& members,
 }  // namespace detail
 
 /// Fuses `graph` in place (see the file comment): distributes chunks, then replaces each
-/// maximal group of two or more fusable nodes of one stage by a FusionGroup node. Nodes
+/// maximal group of two or more fusable nodes of one stage by a FusionGroup node (or of
+/// one, when it is worth a kernel alone: `detail::worth_a_kernel_alone`). Nodes
 /// inside existing FusionGroups are left alone. Returns the number of groups made.
 /// The result passes `ir::lint` when the input does. Throws `IrError` only for a graph
 /// that violates the IR's invariants.
@@ -297,7 +311,7 @@ inline size_t fuse(ir::Graph& graph) {
       in_group[p->id()] = stamp;
       push_producers(p);
     }
-    if (members.size() < 2) continue;
+    if (members.size() < 2 && !detail::worth_a_kernel_alone(*anchor)) continue;
     for (ir::Node* m : members) placed_at[m->id()] = anchor_pos;
     std::sort(members.begin(), members.end(),
               [&](const ir::Node* a, const ir::Node* b) { return position(a) < position(b); });
