@@ -76,7 +76,6 @@ struct Options {
   int report_every = 100;
   std::string metrics, plot;
   bool paper = false, compare = false, eager = false, libtorch = false, compile_loss = false;
-  bool lbfgs_restarts = false;
 };
 
 /// One row of the metrics CSV / the progress report.
@@ -150,19 +149,8 @@ class Trainer {
       const int64_t ran = lbfgs_iterations() - before;
       lbfgs_done_ += int(ran);
       // Fewer iterations than asked: L-BFGS stopped on a tolerance (gradient or change
-      // of the loss): converged, or no further progress possible in this precision. With
-      // --lbfgs-restarts it starts again from the iterate with an empty history while
-      // each stall comes at a lower loss than the one before.
-      if (ran < n) {
-        if (o_.lbfgs_restarts && last_loss_ < stall_loss_ && lbfgs_done_ < o_.lbfgs) {
-          stall_loss_ = last_loss_;
-          ++restarts_;
-          lbfgs_.reset();
-          iterate_.clear();
-        } else {
-          converged_ = true;
-        }
-      }
+      // of the loss): converged, or no further progress possible in this precision.
+      if (ran < n) converged_ = true;
       lbfgs_finished_ = lbfgs_done_ >= o_.lbfgs || converged_;
     }
     train_s_ += seconds_since(t0);
@@ -200,7 +188,6 @@ class Trainer {
   int adam_iterations() const { return adam_done_; }
   int lbfgs_done() const { return lbfgs_done_; }
   bool converged() const { return converged_; }
-  int restarts() const { return restarts_; }
   int64_t lbfgs_evals() const { return lbfgs_evals_; }
   double ms_per_lbfgs_eval() const { return lbfgs_evals_ ? 1e3 * lbfgs_eval_s_ / double(lbfgs_evals_) : NAN; }
   double ms_per_adam_eval() const { return adam_evals_ ? 1e3 * adam_eval_s_ / double(adam_evals_) : NAN; }
@@ -287,8 +274,6 @@ class Trainer {
   std::unique_ptr<torch::optim::LBFGS> lbfgs_;
   int adam_done_ = 0, lbfgs_done_ = 0;
   bool lbfgs_finished_, converged_ = false;
-  double stall_loss_ = INFINITY;  // the loss at the last L-BFGS stall (--lbfgs-restarts)
-  int restarts_ = 0;
   int64_t adam_evals_ = 0, lbfgs_evals_ = 0;
   double adam_eval_s_ = 0, lbfgs_eval_s_ = 0, train_s_ = 0, last_loss_ = NAN;
   std::vector<Report> reports_;
@@ -441,10 +426,6 @@ int main(int argc, char** argv) {
   auto* paper = app.add_flag("--paper", o.paper, "The paper's budget: no Adam, L-BFGS up to 50 000 "
                              "iterations (history 50)");
   paper->excludes(adam)->excludes(lbfgs);
-  app.add_flag("--lbfgs-restarts", o.lbfgs_restarts,
-               "When L-BFGS stops on its tolerance before its budget (float losses stop changing), "
-               "start it again from the iterate with an empty history, as long as each stop comes "
-               "at a lower loss than the last");
   auto* eager = app.add_flag("--eager", o.eager, "Run the step through stagejit's eager autograd");
   auto* lt = app.add_flag("--libtorch", o.libtorch, "Run the step through libtorch's autograd");
   auto* cl = app.add_flag("--compile-loss", o.compile_loss,
