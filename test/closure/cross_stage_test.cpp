@@ -190,4 +190,35 @@ TEST_CASE("cross-stage gradients: first and second derivatives of a twice-compil
   }
 }
 
+TEST_CASE("cross-stage gradients: pruned zero outputs keep the graph valid; off changes nothing") {
+  at::manual_seed(14);
+  // w's product is never used: stage 1's extra input for it is never fed, and stage 1's
+  // gradient of w becomes an undefined output made at stage 1 (placed among stage 1's
+  // nodes: node stages never decrease along the list).
+  auto f = [](const sj::variable_list& in) -> sj::variable_list {
+    (void)sj::mul(in[1], 2.0);
+    return {sj::sum(sj::tanh(sj::mul(in[0], in[0])))};
+  };
+  sj::variable_list in{sj::Variable(at::randn({5}, at::kDouble), true),
+                       sj::Variable(at::randn({5}, at::kDouble), true)};
+  sj::Trace tr = sj::trace(f, in, {.derivatives = 2, .cross_stage_gradients = true});
+  CHECK_NOTHROW(sj::ir::lint(*tr.graph()));
+  auto cf = sj::compile(f, {.derivatives = 2, .cross_stage_gradients = true});
+  CHECK_NOTHROW(sj::ir::lint(*cf.graph_for(in)));
+
+  // Off (the default): the grad_fn past the last compiled stage, which throws when run,
+  // has only the inputs' edges, as before (no edge to the chain's compiled calls, which
+  // would keep their saved activations alive and make more of the graph reachable).
+  auto once = sj::compile(f, {.derivatives = 1});
+  auto y = once(in)[0];
+  auto g = sj::grad({y}, {in[0]}, {}, /*create_graph=*/true)[0];
+  REQUIRE(g.grad_fn());
+  for (const auto& e : g.grad_fn()->next_functions) {
+    REQUIRE(e.function);
+    CHECK_FALSE(std::holds_alternative<sj::ClosureFunction>(e.function->kind));
+  }
+  auto unused = sj::grad({sj::sum(g)}, {y}, {}, false, /*allow_unused=*/true);
+  CHECK_FALSE(unused[0].defined());
+}
+
 }  // TEST_SUITE

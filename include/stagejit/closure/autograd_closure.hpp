@@ -61,6 +61,8 @@ struct MultiStageClosure {
   std::vector<StageFlags> flags;                      ///< per stage, from the trace
   std::vector<std::vector<std::size_t>> gradient_of;  ///< per stage, from the trace
   std::vector<std::vector<StageInputRef>> feeds;      ///< per stage, from the trace
+  /// Some stage has cross-stage gradients (Note [Cross-stage gradients]).
+  bool cross_stage = false;
   /// Run a stage's independent branches on the engine's worker threads
   /// (`CompileOptions::inter_op_parallel`); false: on the calling thread only.
   bool inter_op_parallel = false;
@@ -82,6 +84,7 @@ struct MultiStageClosure {
       flags.push_back(trace.flags(s));
       gradient_of.push_back(trace.gradient_of(s));
       feeds.push_back(trace.feeds(s));
+      cross_stage = cross_stage || !feeds.back().empty();
     }
   }
 
@@ -405,8 +408,11 @@ class StageCall final : public ClosureImpl {
       std::vector<Edge> live;
       for (const auto& e : edges)
         if (e.is_valid()) live.push_back(e);
-      for (const auto& f : stage_functions_)
-        if (auto fn = f.lock()) live.push_back(Edge{std::move(fn), 0});
+      // With cross-stage gradients the next derivative would also flow into the calls of
+      // this chain: asking for one through them must fail too.
+      if (d.cross_stage)
+        for (const auto& f : stage_functions_)
+          if (auto fn = f.lock()) live.push_back(Edge{std::move(fn), 0});
       if (live.empty()) return nullptr;
       return make_function(ErrorFunction{"stagejit: the function was compiled only for " +
                                          std::to_string(d.num_stages() - 1) +
@@ -422,18 +428,36 @@ class StageCall final : public ClosureImpl {
     }
     for (const StageInputRef& f : d.feeds[next]) {
       std::shared_ptr<Function> fn = f.stage < stage_functions_.size() ? stage_functions_[f.stage].lock() : nullptr;
-      next_edges.push_back(fn ? Edge{std::move(fn), static_cast<uint32_t>(f.index)} : Edge{});
+      if (fn) {
+        next_edges.push_back(Edge{std::move(fn), static_cast<uint32_t>(f.index)});
+      } else {
+        // The call this gradient feeds is gone (nothing holds it any more): never drop
+        // the contribution silently; a backward reaching the inputs through here throws.
+        std::vector<Edge> live;
+        for (const auto& e : edges)
+          if (e.is_valid()) live.push_back(e);
+        next_edges.push_back(live.empty() ? Edge{}
+                                          : Edge{make_function(ErrorFunction{
+                                                     "stagejit: compiled stage " + std::to_string(next) +
+                                                     ": the call of stage " + std::to_string(f.stage) +
+                                                     " that its cross-stage gradient feeds was freed; keep the "
+                                                     "earlier stages' outputs alive while differentiating"},
+                                                 std::move(live), 1),
+                                                 0});
+      }
       any_edge = any_edge || next_edges.back().is_valid();
     }
     if (!any_edge) return nullptr;
     auto [values, handles, versions] = primed(state);
     auto impl = std::make_shared<StageCall>(desc_, next, std::move(values), std::move(handles), edges,
                                             std::move(versions));
-    impl->stage_functions_ = stage_functions_;
-    impl->stage_functions_.resize(d.num_stages());
     const auto num_grads = static_cast<uint32_t>(d.flags[next].inputs.size());
     auto fn = make_function(ClosureFunction{impl}, std::move(next_edges), num_grads);
-    impl->stage_functions_[next] = fn;
+    if (d.cross_stage) {
+      impl->stage_functions_ = stage_functions_;
+      impl->stage_functions_.resize(d.num_stages());
+      impl->stage_functions_[next] = fn;
+    }
     return fn;
   }
 

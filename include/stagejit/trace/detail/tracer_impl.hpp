@@ -303,8 +303,19 @@ struct CrossStagePrune {
           for (const ir::Use& u : uses) {
             if (u.user == g.return_node()) {
               if (!undef) {
+                // An Undefined node of stage s, before the first node of a later stage
+                // (node stages never decrease along the list).
                 g.set_current_stage(s);
-                undef = g.append_undefined();
+                ir::Node* n = g.create(ir::Undefined{}, {}, {ir::UnknownType{}});
+                ir::Node* later = nullptr;
+                for (ir::Node* m : g.nodes())
+                  if (m->stage() > s) {
+                    later = m;
+                    break;
+                  }
+                if (later) n->insert_before(later);
+                else g.append(n);
+                undef = n->output();
               }
               u.user->replace_input(u.offset, undef);  // a zero gradient is an undefined one
             } else if (u.user->stage() > s) {
@@ -316,6 +327,7 @@ struct CrossStagePrune {
       }
       // Regular outputs that are gradients of inputs being erased.
       erase_outputs[s].assign(g.stage_output_counts()[s], 0);
+      g.set_current_stage(k);
       for (std::size_t o = 0; o < gradient_of[s].size(); ++o)
         if (dead.count(gradient_of[s][o])) erase_outputs[s][o] = 1;
     }
