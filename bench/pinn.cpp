@@ -156,6 +156,12 @@ int main(int argc, char** argv) {
   app.add_flag("--cross-stage-gradients", cross_stage,
                "Staged compiled mode with CompileOptions::cross_stage_gradients (each backward stage "
                "stops at the earlier stages' values and hands their gradients on; default off)");
+  int64_t tile_rows = sj::CompileOptions{}.tile_rows;
+  app.add_option("--tile-rows", tile_rows,
+                 "Both compiled modes' CompileOptions::tile_rows: rows per tile of the row-tiled "
+                 "regions (0: none; a region's products are counted once per tile)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   bool level_field = false;
   app.add_flag("--level-field", level_field,
                "glibc keeps freed memory in the heap (mallopt, as bench/closure's level field), so "
@@ -185,8 +191,10 @@ int main(int argc, char** argv) {
                           "stagejit eager", "libtorch eager"};
   constexpr std::size_t kModes = 4;
   std::vector<std::unique_ptr<Stepper>> steppers;
-  for (Mode m : modes) steppers.push_back(std::make_unique<Stepper>(m, data, cross_stage));
+  for (Mode m : modes) steppers.push_back(std::make_unique<Stepper>(m, data, cross_stage, tile_rows));
   if (cross_stage) std::printf("staged compiled: cross-stage gradients on\n");
+  std::printf("compiled modes: row-tiled regions %s\n",
+              tile_rows > 0 ? (std::to_string(tile_rows) + " rows per tile").c_str() : "off");
 
   std::printf("Burgers PINN step (loss + gradients of %zu parameter tensors), network 2-20x8-1 tanh, "
               "N_u %lld, N_f %lld, %s; median of %d rounds after %d warm-up rounds\n",

@@ -303,11 +303,14 @@ inline const char* mode_name(Mode m) {
 class Stepper {
  public:
   /// `cross_stage_gradients`: the Compiled mode's `CompileOptions::cross_stage_gradients`
-  /// (bench/pinn --cross-stage-gradients measures what it brings).
-  Stepper(Mode mode, const TrainingData& data, bool cross_stage_gradients = false)
+  /// (bench/pinn --cross-stage-gradients measures what it brings); `tile_rows`: both
+  /// compiled modes' `CompileOptions::tile_rows` (0: no row-tiled regions; bench/pinn
+  /// --tile-rows).
+  Stepper(Mode mode, const TrainingData& data, bool cross_stage_gradients = false,
+          int64_t tile_rows = sj::CompileOptions{}.tile_rows)
       : mode_(mode), data_(data),
-        net_(sj::compile(&Stepper::net_fn, {.derivatives = 3, .cross_stage_gradients = cross_stage_gradients})),
-        loss_(sj::compile(&Stepper::loss_fn, {.derivatives = 1})) {}
+        net_(sj::compile(&Stepper::net_fn, {.derivatives = 3, .cross_stage_gradients = cross_stage_gradients, .tile_rows = tile_rows})),
+        loss_(sj::compile(&Stepper::loss_fn, {.derivatives = 1, .tile_rows = tile_rows})) {}
 
   Mode mode() const { return mode_; }
 

@@ -75,8 +75,11 @@ struct MultiStageClosure {
 
   /// Builds every stage's closure. `graph` is the optimised graph of `trace` (same
   /// inputs and outputs). Throws `CompileError` (see StageClosure).
-  MultiStageClosure(std::shared_ptr<ir::Graph> g, const Trace& trace)
-      : graph(std::move(g)), plan(*graph) {
+  ///
+  /// `tile_rows` > 0: stages run their row-local nodes as row-tiled regions
+  /// (`CompileOptions::tile_rows`, Note [Row-tiled regions]); variants too.
+  MultiStageClosure(std::shared_ptr<ir::Graph> g, const Trace& trace, int64_t tile_rows = 0)
+      : graph(std::move(g)), plan(*graph), tile_rows_(tile_rows) {
     STAGEJIT_CHECK_AS(CompileError, trace.num_stages() == plan.num_stages(), "closure: trace has ",
                       trace.num_stages(), " stages but the graph has ", plan.num_stages());
     build_stages();
@@ -117,7 +120,7 @@ struct MultiStageClosure {
     }
     std::shared_ptr<const StageVariant> built;
     try {
-      built = build_stage_variant(*graph, plan, stages.at(key.stage).prev_slots, key);
+      built = build_stage_variant(*graph, plan, stages.at(key.stage).prev_slots, key, tile_rows_);
     } catch (...) {
       built = nullptr;  // the full stage serves this key (correct, only slower)
     }
@@ -148,6 +151,7 @@ struct MultiStageClosure {
   bool linked() const noexcept { return flags.size() == stages.size(); }
 
  private:
+  int64_t tile_rows_ = 0;  // CompileOptions::tile_rows
   mutable std::mutex variants_mutex_;
   mutable std::unordered_map<StageVariantKey, std::shared_ptr<const StageVariant>, StageVariantKeyHash>
       variants_;
@@ -156,7 +160,7 @@ struct MultiStageClosure {
   void build_stages() {
     stages.reserve(plan.num_stages());
     for (std::size_t s = 0; s < plan.num_stages(); ++s) {
-      stages.emplace_back(plan, s);
+      stages.emplace_back(plan, s, nullptr, tile_rows_);
       stages.back().install_handle_callbacks(plan);
     }
   }

@@ -110,10 +110,11 @@ inline bool later_use(const ir::Graph& g, const ir::Use& u, std::size_t s) {
 /// caller then runs the full stage.
 ///
 /// `prev_slots`: the earlier-stage tensors the full stage reads (its closure's
-/// `prev_slots`), which the tail of `key.defined_inputs` describes.
+/// `prev_slots`), which the tail of `key.defined_inputs` describes. `tile_rows`: as
+/// `StageClosure`'s (row-tiled regions; 0: none).
 inline std::shared_ptr<const StageVariant> build_stage_variant(
     const ir::Graph& graph, const CrossStagePlan& plan, const std::vector<std::size_t>& prev_slots,
-    const StageVariantKey& key) {
+    const StageVariantKey& key, int64_t tile_rows = 0) {
   const std::size_t s = key.stage;
   STAGEJIT_CHECK_AS(CompileError, s < plan.num_stages(), "stage variant: stage ", s,
                     " of a graph of ", plan.num_stages(), " stages");
@@ -248,7 +249,7 @@ inline std::shared_ptr<const StageVariant> build_stage_variant(
                         " a later stage reads is not captured");
   }
 
-  auto variant = std::make_shared<StageVariant>(StageVariant{key, g, StageClosure(vplan, s, &slot_map), 0});
+  auto variant = std::make_shared<StageVariant>(StageVariant{key, g, StageClosure(vplan, s, &slot_map, tile_rows), 0});
   variant->closure.install_handle_callbacks(vplan);
   variant->num_nodes = vplan.stage_nodes(s).size();
   return variant;

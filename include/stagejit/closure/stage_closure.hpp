@@ -23,6 +23,7 @@
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/closure/plan.hpp>
+#include <stagejit/closure/tiled_region.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/overloaded.hpp>
 #include <stagejit/fusion/codegen.hpp>
@@ -38,9 +39,14 @@
 #include <memory>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace stagejit::closure {
+
+/// Stages whose row values have fewer rows than this are not tiled (their tensors fit
+/// in the caches already).
+inline constexpr int64_t kMinTiledRows = 2048;
 
 /// The function graph of one stage. See the file comment.
 struct StageClosure {
@@ -61,8 +67,12 @@ struct StageClosure {
   /// without the tracer's payload). `slot_map` (optional) renumbers `plan`'s slots into
   /// another plan's (a stage variant, closure/specialize.hpp): `prev_slots` and the
   /// captures then use that numbering.
+  ///
+  /// `tile_rows` > 0: the stage's row-local nodes on tall tensors run as one row-tiled
+  /// region of that many rows per tile (closure/tiled_region.hpp, Note [Row-tiled
+  /// regions]); 0: every node is its own Function.
   StageClosure(const CrossStagePlan& plan, std::size_t s,
-               const std::vector<std::size_t>* slot_map = nullptr)
+               const std::vector<std::size_t>* slot_map = nullptr, int64_t tile_rows = 0)
       : fn_of_(plan.id_bound()) {
     if (slot_map) slot_map_ = *slot_map;
     num_outputs = plan.stage_outputs(s).size();
@@ -74,11 +84,43 @@ struct StageClosure {
     std::unordered_map<const ir::Value*, std::vector<uint32_t>> output_positions;
     const auto& outs = plan.stage_outputs(s);
     for (std::size_t j = 0; j < outs.size(); ++j) output_positions[outs[j]].push_back(static_cast<uint32_t>(j));
+    const auto& nodes = plan.stage_nodes(s);
+    // The row-tiled regions, one Function for all the nodes of each (Note [Row-tiled regions]).
+    std::vector<TiledRegion> regions;
+    if (tile_rows > 0) regions = find_row_tiled_regions(nodes, s, std::max<int64_t>(2 * tile_rows, kMinTiledRows));
+    std::vector<std::shared_ptr<Function>> region_fns;
+    std::unordered_map<const ir::Node*, std::size_t> region_of;
+    for (std::size_t r = 0; r < regions.size(); ++r) {
+      const TiledRegion& region = regions[r];
+      std::unordered_map<const ir::Node*, std::string> names;
+      for (ir::Node* n : region.nodes) {
+        region_of[n] = r;
+        if (n->is<ir::FusionGroup>()) names[n] = "fusion_group_" + std::to_string(fusion_index(n));
+      }
+      auto runner = std::make_shared<const TiledRegionRunner>(region, tile_rows, names);
+      auto fn = keep(make_function(
+          FusedKernel{"tiled_region", [runner](const variable_list& in) { return runner->run(in); }}, {},
+          static_cast<uint32_t>(region.inputs.size())));
+      fn->origin = "row-tiled region " + std::to_string(r) + " of stage " + std::to_string(s) + " (" +
+                   std::to_string(region.nodes.size()) + " nodes, " + std::to_string(tile_rows) + " rows per tile)";
+      for (ir::Node* n : region.nodes) fn_of_[n->id()] = fn;
+      region_fns.push_back(std::move(fn));
+    }
     // Where each value of this stage goes: (consumer, input slot) pairs.
     auto targets_of = [&](ir::Value* v) {
       std::vector<Edge> edges;
+      std::vector<char> to_region(regions.size(), 0);
+      auto made_in = region_of.find(v->node());
       for (const ir::Use& u : v->uses()) {
         if (u.user->stage() != s || u.user == u.user->owning_graph()->return_node()) continue;
+        if (auto it = region_of.find(u.user); it != region_of.end()) {
+          // Read inside a region: one edge into its input, none from inside it.
+          const std::size_t r = it->second;
+          if ((made_in != region_of.end() && made_in->second == r) || to_region[r]) continue;
+          to_region[r] = 1;
+          edges.push_back(Edge{region_fns[r], static_cast<uint32_t>(regions[r].input_index(v))});
+          continue;
+        }
         edges.push_back(Edge{function_of(u.user), static_cast<uint32_t>(u.offset)});
       }
       if (auto it = output_positions.find(v); it != output_positions.end())
@@ -97,14 +139,16 @@ struct StageClosure {
       }
     };
 
-    const auto& nodes = plan.stage_nodes(s);
     for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
       ir::Node* n = *it;
+      if (region_of.count(n)) continue;
       auto fn = keep(function_for(n, factory));
       if (n->location().known()) fn->origin = label(n);
       fill_next(*fn, n);
       fn_of_[n->id()] = fn;
     }
+    for (std::size_t r = 0; r < regions.size(); ++r)
+      for (ir::Value* o : regions[r].outputs) region_fns[r]->next_functions.push_back(edge_to(targets_of(o)));
     // Stage inputs and values of earlier stages are the roots.
     for (ir::Value* in : plan.stage_inputs(s)) {
       auto fn = keep(make_function(InputPlaceholder{}, {edge_to(targets_of(in))}, 1));
@@ -130,6 +174,13 @@ struct StageClosure {
       Function* found = fn_of_[producer->id()].get();
       if (!found) continue;  // e.g. produced by nothing that runs
       if (producer->is<ir::Undefined>()) continue;  // never runs: the slot stays undefined
+      if (auto it = region_of.find(producer); it != region_of.end()) {
+        const std::ptrdiff_t j = regions[it->second].output_index(v);
+        STAGEJIT_CHECK_AS(CompileError, j >= 0, "closure: the captured value %", v->id(),
+                          " is not an output of the row-tiled region");
+        callbacks.post.emplace(found, CaptureOutput{static_cast<std::size_t>(j), renumber(slot)});
+        continue;
+      }
       callbacks.post.emplace(found, CaptureOutput{v->offset(), renumber(slot)});
     }
     std::vector<std::shared_ptr<Function>>().swap(fn_of_);  // only needed while building

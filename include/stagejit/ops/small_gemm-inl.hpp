@@ -56,14 +56,20 @@ struct Operand {
   int64_t ld = 0;
 };
 
-// `t` [R, C] read as the column-major [C, R] matrix (Note [Row-major products ...]).
-STAGEJIT_FUNC Operand as_column_major_transpose(const at::Tensor& t) {
-  const int64_t r = t.size(0), c = t.size(1);
+// An [R, C] operand with element strides (s0, s1) read as the column-major [C, R]
+// matrix (Note [Row-major products as LIBXSMM calls]).
+STAGEJIT_FUNC Operand operand_of(int64_t r, int64_t c, int64_t s0, int64_t s1) {
   // The stride of a size-1 dimension is never used: give it the dense value.
-  const int64_t s0 = r == 1 ? c : t.stride(0), s1 = c == 1 ? 1 : t.stride(1);
+  if (r == 1) s0 = c;
+  if (c == 1) s1 = 1;
   if (s1 == 1 && s0 >= std::max<int64_t>(c, 1)) return {true, false, s0};
   if (s0 == 1 && s1 >= std::max<int64_t>(r, 1)) return {true, true, s1};
   return {};
+}
+
+// `t` [R, C] read as the column-major [C, R] matrix.
+STAGEJIT_FUNC Operand as_column_major_transpose(const at::Tensor& t) {
+  return operand_of(t.size(0), t.size(1), t.stride(0), t.stride(1));
 }
 
 template <class T>
@@ -97,63 +103,72 @@ STAGEJIT_FUNC bool thin_product(const at::Tensor& a, const at::Tensor& b) {
          K <= limit && N <= limit;
 }
 
-// `a @ b` for operands `thin_product` accepted.
+// c = a @ b (c += a @ b when `accumulate`) on raw pointers: see `small_mm_raw`.
 template <class T>
-STAGEJIT_FUNC std::optional<at::Tensor> run(const at::Tensor& a, const at::Tensor& b_in) {
-  const int64_t M = a.size(0), K = a.size(1), N = b_in.size(1);
-  const bool tall = M >= kLarge && K <= kSmall && N <= kSmall;  // else a reduction
-  const Operand A = as_column_major_transpose(a);
-  Operand B = as_column_major_transpose(b_in);
-  // LIBXSMM 1.17 generates no kernel reading its first operand transposed: a `b` with
-  // dense columns (W^T of a backward) is copied dense (at most 64 x 64 in a tall product;
-  // the copy of a reduction's [K, N] costs one pass, far less than the product).
-  at::Tensor b = b_in;
-  if (B.trans) {
-    b = b_in.contiguous();
-    B = as_column_major_transpose(b);
-    if (!B.ok || B.trans) return std::nullopt;
-  }
-  const int flags = (B.trans ? LIBXSMM_GEMM_FLAG_TRANS_A : 0) | (A.trans ? LIBXSMM_GEMM_FLAG_TRANS_B : 0);
-  const T* pa = a.data_ptr<T>();
-  const T* pb = b.data_ptr<T>();
-  at::Tensor c = at::empty({M, N}, a.options().memory_format(at::MemoryFormat::Contiguous));
-  T* pc = c.data_ptr<T>();
-  const int n = static_cast<int>(N), ldc = static_cast<int>(N);
+bool run_raw(const T* pa, int64_t a_s0, int64_t a_s1, const T* pb, int64_t b_s0, int64_t b_s1, T* pc,
+             int64_t ldc, int64_t M, int64_t K, int64_t N, bool accumulate) {
+  if (M <= 0 || K <= 0 || N <= 0) return false;
+  const Operand A = operand_of(M, K, a_s0, a_s1), B = operand_of(K, N, b_s0, b_s1);
+  // LIBXSMM 1.17 generates no kernel reading its first operand (b) transposed.
+  if (!A.ok || !B.ok || B.trans) return false;
+  const bool tall = K <= kSmall && N <= kSmall;
+  if (!tall && !(M <= kSmall && N <= kSmall)) return false;
+  const int64_t limit = INT32_MAX;  // LIBXSMM takes int sizes and leading dimensions
+  if (A.ld > limit || B.ld > limit || ldc > limit || M > limit || K > limit || N < 1 || ldc < N) return false;
+  const int flags = A.trans ? LIBXSMM_GEMM_FLAG_TRANS_B : 0;
+  const int n = static_cast<int>(N), ldci = static_cast<int>(ldc);
   const int lda = static_cast<int>(B.ld), ldb = static_cast<int>(A.ld);
-
+  const T beta0 = accumulate ? T(1) : T(0);
   if (tall) {
     // Block of rows m0..m0+rows of A: b' starts at row m0 of A.
     const int64_t a_row_step = A.trans ? 1 : A.ld;
-    const auto full = Kernels<T>::get(n, static_cast<int>(kRowBlock), static_cast<int>(K), lda, ldb, ldc, T(0), flags);
     const int64_t rest = M % kRowBlock;
-    const auto tail = rest ? Kernels<T>::get(n, static_cast<int>(rest), static_cast<int>(K), lda, ldb, ldc, T(0), flags)
+    const auto full = M >= kRowBlock ? Kernels<T>::get(n, static_cast<int>(kRowBlock), static_cast<int>(K), lda, ldb, ldci, beta0, flags)
+                                     : nullptr;
+    const auto tail = rest ? Kernels<T>::get(n, static_cast<int>(rest), static_cast<int>(K), lda, ldb, ldci, beta0, flags)
                            : full;
-    if (!full || !tail) return std::nullopt;
+    if ((M >= kRowBlock && !full) || !tail) return false;
     const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
     at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
       for (int64_t blk = begin; blk < end; ++blk) {
         const int64_t m0 = blk * kRowBlock;
         const auto fn = (m0 + kRowBlock <= M) ? full : tail;
-        fn(pb, pa + m0 * a_row_step, pc + m0 * N);
+        fn(pb, pa + m0 * a_row_step, pc + m0 * ldc);
       }
     });
-    return c;
+    return true;
   }
   // Reduction over K: a' (from B) advances along k by its rows, b' (from A) along its
   // columns.
-  const int64_t b_k_step = B.trans ? 1 : B.ld;
+  const int64_t b_k_step = B.ld;
   const int64_t a_k_step = A.trans ? A.ld : 1;
   const int m = static_cast<int>(M);
-  const auto first = Kernels<T>::get(n, m, static_cast<int>(kReduceBlock), lda, ldb, ldc, T(0), flags);
-  const auto next = Kernels<T>::get(n, m, static_cast<int>(kReduceBlock), lda, ldb, ldc, T(1), flags);
   const int64_t rest = K % kReduceBlock;
-  const auto tail = rest ? Kernels<T>::get(n, m, static_cast<int>(rest), lda, ldb, ldc, K < kReduceBlock ? T(0) : T(1), flags)
+  const bool whole = K >= kReduceBlock;
+  const auto first = whole ? Kernels<T>::get(n, m, static_cast<int>(kReduceBlock), lda, ldb, ldci, beta0, flags) : nullptr;
+  const auto next = whole ? Kernels<T>::get(n, m, static_cast<int>(kReduceBlock), lda, ldb, ldci, T(1), flags) : nullptr;
+  const auto tail = rest ? Kernels<T>::get(n, m, static_cast<int>(rest), lda, ldb, ldci, whole ? T(1) : beta0, flags)
                          : next;
-  if (!first || !next || !tail) return std::nullopt;
+  if ((whole && (!first || !next)) || !tail) return false;
   int64_t k0 = 0;
   for (; k0 + kReduceBlock <= K; k0 += kReduceBlock)
     (k0 == 0 ? first : next)(pb + k0 * b_k_step, pa + k0 * a_k_step, pc);
   if (k0 < K) tail(pb + k0 * b_k_step, pa + k0 * a_k_step, pc);
+  return true;
+}
+
+// `a @ b` for operands `thin_product` accepted.
+template <class T>
+STAGEJIT_FUNC std::optional<at::Tensor> run(const at::Tensor& a, const at::Tensor& b_in) {
+  const int64_t M = a.size(0), N = b_in.size(1);
+  // A `b` with dense columns (W^T of a backward) is copied dense (at most 64 x 64 in a
+  // tall product; the copy of a reduction's [K, N] costs one pass, far less than the
+  // product).
+  at::Tensor b = as_column_major_transpose(b_in).trans ? b_in.contiguous() : b_in;
+  at::Tensor c = at::empty({M, N}, a.options().memory_format(at::MemoryFormat::Contiguous));
+  if (!run_raw<T>(a.data_ptr<T>(), a.stride(0), a.stride(1), b.data_ptr<T>(), b.stride(0), b.stride(1),
+                  c.data_ptr<T>(), N, M, a.size(1), N, false))
+    return std::nullopt;
   return c;
 }
 
@@ -161,6 +176,38 @@ STAGEJIT_FUNC std::optional<at::Tensor> run(const at::Tensor& a, const at::Tenso
 
 }  // namespace detail::small_gemm_impl
 using namespace detail::small_gemm_impl;
+
+STAGEJIT_FUNC bool small_mm_raw(const float* a, int64_t a_s0, int64_t a_s1, const float* b, int64_t b_s0,
+                                int64_t b_s1, float* c, int64_t ldc, int64_t M, int64_t K, int64_t N,
+                                bool accumulate) noexcept {
+#if defined(STAGEJIT_HAVE_LIBXSMM)
+  if (!enabled_by_environment()) return false;
+  // One product for ATen's profilers (bench/pinn counts a row-tiled region's products
+  // once per tile); no inputs to record.
+  RECORD_FUNCTION("stagejit::small_mm", std::vector<c10::IValue>());
+  return run_raw<float>(a, a_s0, a_s1, b, b_s0, b_s1, c, ldc, M, K, N, accumulate);
+#else
+  (void)a, (void)a_s0, (void)a_s1, (void)b, (void)b_s0, (void)b_s1, (void)c, (void)ldc, (void)M, (void)K, (void)N,
+      (void)accumulate;
+  return false;
+#endif
+}
+
+STAGEJIT_FUNC bool small_mm_raw(const double* a, int64_t a_s0, int64_t a_s1, const double* b, int64_t b_s0,
+                                int64_t b_s1, double* c, int64_t ldc, int64_t M, int64_t K, int64_t N,
+                                bool accumulate) noexcept {
+#if defined(STAGEJIT_HAVE_LIBXSMM)
+  if (!enabled_by_environment()) return false;
+  // One product for ATen's profilers (bench/pinn counts a row-tiled region's products
+  // once per tile); no inputs to record.
+  RECORD_FUNCTION("stagejit::small_mm", std::vector<c10::IValue>());
+  return run_raw<double>(a, a_s0, a_s1, b, b_s0, b_s1, c, ldc, M, K, N, accumulate);
+#else
+  (void)a, (void)a_s0, (void)a_s1, (void)b, (void)b_s0, (void)b_s1, (void)c, (void)ldc, (void)M, (void)K, (void)N,
+      (void)accumulate;
+  return false;
+#endif
+}
 
 STAGEJIT_FUNC bool small_mm_enabled() noexcept {
 #if defined(STAGEJIT_HAVE_LIBXSMM)

@@ -14,6 +14,7 @@
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <optional>
 
 namespace stagejit::ops {
@@ -27,6 +28,19 @@ namespace stagejit::ops {
 /// built in (`STAGEJIT_HAVE_LIBXSMM`), it cannot generate a kernel, or
 /// `$STAGEJIT_SMALL_GEMM=0`. Never throws for a shape it refuses.
 std::optional<at::Tensor> small_mm(const at::Tensor& a, const at::Tensor& b);
+
+/// `c [M, N] = a [M, K] @ b [K, N]` (or `c += a @ b` when `accumulate`) on raw CPU
+/// pointers, through LIBXSMM, for the pieces of a row-tiled stage (closure/tiled_region.hpp).
+/// `a` and `b` are row-major with the given element strides (each must have its rows
+/// or its columns dense; `b` must have dense rows, stride `b_s1 == 1`); `c` is dense
+/// with leading dimension `ldc`. Either "tall" (K, N <= 64: blocks of 64 rows of `a`)
+/// or "reduction" (M, N <= 64: blocks of 256 along K); no lower bound on M or K. Returns
+/// false, writing nothing, when the shape or strides do not qualify, LIBXSMM is not built
+/// in or disabled (`small_mm_enabled`), or it cannot generate a kernel.
+bool small_mm_raw(const float* a, int64_t a_s0, int64_t a_s1, const float* b, int64_t b_s0, int64_t b_s1,
+                  float* c, int64_t ldc, int64_t M, int64_t K, int64_t N, bool accumulate) noexcept;
+bool small_mm_raw(const double* a, int64_t a_s0, int64_t a_s1, const double* b, int64_t b_s0, int64_t b_s1,
+                  double* c, int64_t ldc, int64_t M, int64_t K, int64_t N, bool accumulate) noexcept;
 
 /// True when this build calls LIBXSMM and `$STAGEJIT_SMALL_GEMM` is not `0`.
 bool small_mm_enabled() noexcept;

@@ -1,0 +1,850 @@
+#pragma once
+/// \file
+/// Row-tiled regions of a compiled stage: the nodes of a stage that work row by row on
+/// tall [N, C] tensors (fused elementwise kernels, products with a small right operand,
+/// and the reductions over the rows that weight and bias gradients are) run as one
+/// Function that walks the rows in tiles, so that the intermediates of a tile stay in the
+/// core's cache instead of making a round trip through memory between nodes.
+///
+/// Note [Row-tiled regions]
+/// A PINN's stages (bench/pinn.md) are chains of [10 000, 20] tensors: each elementwise
+/// kernel and each product reads and writes 800 KB tensors, far beyond L1 and L2 once a
+/// stage holds a few dozen of them, so every node runs at memory speed (measured: a
+/// 5-in, 3-out float kernel takes 1.39 ns per element on such tensors and 0.31 ns when
+/// its operands are in L2). Every node of such a chain but the reductions is *row local*:
+/// row i of its output needs row i of its row inputs only. So the region runs, for each
+/// tile of `tile_rows` rows, every node on that tile: fused kernels through their
+/// generated entry point on the tile's rows, products `[rows, K] x [K, M]` through LIBXSMM
+/// (`ops::small_mm_raw`), and accumulates the reductions (`t(X) @ Y` over the rows,
+/// `sum_to_size` to one row) across tiles. Values only the region reads live in per-tile
+/// scratch buffers (reused once dead); values read outside the region are written to
+/// full [N, C] tensors.
+///
+/// Which nodes form regions (`find_row_tiled_regions`), given N (the most common
+/// leading size of the stage's 2-D values, at least `min_rows`) and the value types the
+/// trace recorded:
+/// - a row value is 2-D with N rows, of the region's dtype (float or double), on the CPU;
+///   an invariant value is any other tensor (weights, biases) not made by a row node;
+/// - FusionGroup: row outputs [N, C] (one C), inputs row or broadcastable invariants;
+/// - mm(row [N, K], invariant [K, M]) and addmm(invariant bias, row, invariant) with
+///   beta = alpha = 1 and K, M <= 64: row;
+/// - t(row) read only as the first operand of mm(t(row), row): a reduction [K, M];
+/// - sum_to_size(row [N, C], [1, C] or [C]): a reduction;
+/// - another elementwise op on row and invariant inputs: row (run per tile by ATen);
+/// - narrow and cat along the columns of rows: row (per tile by ATen);
+/// - nodes that read no row value stay outside (t(W), expand(b)); a region reads their
+///   outputs whole, or by rows (a stride-0 expand).
+/// A stage can hold several regions, run in order: a node reading a reduction (complete
+/// only after its region ran: `t(dW)` of a double backward) or a value made outside
+/// from a region's value goes to a later region, so each region is convex (no node
+/// outside it both reads a region value and feeds the region). At run time, inputs that
+/// do not match the recorded types, a kernel that cannot be planned, or strides LIBXSMM
+/// cannot read make the region run its nodes one by one as the untiled closure would
+/// (`TiledRegionRunner::run_untiled`: same results, same errors).
+///
+/// Results equal the untiled stage up to summation order: products of a tile are the
+/// same LIBXSMM kernels on fewer rows; a reduction computes each tile's part in the
+/// tensors' dtype (a column sum as a product with a row of ones) and adds the parts in
+/// double, which is at least as accurate as one pass over all rows.
+
+#include <stagejit/core/detail/bodies_begin.hpp>
+#include <stagejit/autograd/variable.hpp>
+#include <stagejit/core/error.hpp>
+#include <stagejit/core/overloaded.hpp>
+#include <stagejit/fusion/codegen.hpp>
+#include <stagejit/ir/graph.hpp>
+#include <stagejit/ir/kinds.hpp>
+#include <stagejit/ops/op_def.hpp>
+#include <stagejit/ops/small_gemm.hpp>
+#include <stagejit/trace/op_attributes.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <unordered_set>
+#include <variant>
+#include <vector>
+
+namespace stagejit::closure {
+
+/// The nodes of one stage that run as a row-tiled region (Note [Row-tiled regions]).
+struct TiledRegion {
+  int64_t rows = 0;                  ///< N: the rows every row value has
+  at::ScalarType dtype = at::kFloat;  ///< float or double
+  std::vector<ir::Node*> nodes;      ///< in stage order
+  std::vector<ir::Value*> inputs;    ///< distinct values read from outside (Function inputs)
+  std::vector<ir::Value*> outputs;   ///< distinct region values read outside (Function outputs)
+
+  std::ptrdiff_t input_index(const ir::Value* v) const {
+    auto it = std::find(inputs.begin(), inputs.end(), v);
+    return it == inputs.end() ? -1 : it - inputs.begin();
+  }
+  std::ptrdiff_t output_index(const ir::Value* v) const {
+    auto it = std::find(outputs.begin(), outputs.end(), v);
+    return it == outputs.end() ? -1 : it - outputs.begin();
+  }
+};
+
+namespace tiling {
+
+// How a region reads a value: Row ([N, C], tiled by rows), RowT (t of a row value of
+// the region: read as that value), Col ([K, N] from outside, tiled by columns: a
+// transposed row), Reduction (summed over the rows; complete after the region),
+// Invariant (read whole by every tile).
+enum class RowLayout : uint8_t { Bad, Invariant, Row, RowT, Col, Reduction };
+
+inline const Scalar* find_attr(const Attributes& attrs, std::string_view name) {
+  for (const auto& [k, v] : attrs)
+    if (k == name) return &v;
+  return nullptr;
+}
+
+inline bool attr_is_one(const Attributes& attrs, std::string_view name) {
+  const Scalar* s = find_attr(attrs, name);
+  if (!s) return true;
+  if (auto* d = std::get_if<double>(s)) return *d == 1.0;
+  if (auto* i = std::get_if<int64_t>(s)) return *i == 1;
+  return false;
+}
+
+// The kinds of region steps.
+struct FusedStep {
+  std::shared_ptr<const fusion::FusedGroup> group;  // for its subgraph and name
+  std::shared_ptr<const ir::Graph> subgraph;
+  std::string name;
+  int64_t cols = 0;  // C of the iteration shape [rows, C]
+};
+struct RowMmStep {
+  bool has_bias = false;  // addmm: input 0 is the bias
+};
+struct ReduceMmStep {};
+struct ColSumStep {};
+struct RowOpStep {
+  const OpDef* op = nullptr;
+  Attributes attrs;
+};
+
+}  // namespace tiling
+
+/// Builds the row-tiled regions of stage `s` (`nodes`: the stage's nodes in order), in
+/// an order the stage can run them: region k reads only what regions before it and
+/// nodes outside every region make. Empty when none is worth it (a region needs two row
+/// products or kernels), no 2-D value has at least `min_rows` rows, or LIBXSMM is not
+/// available. See Note [Row-tiled regions].
+inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Node*>& nodes, std::size_t s,
+                                                       int64_t min_rows) {
+  using tiling::RowLayout;
+  (void)s;
+  if (!ops::small_mm_enabled() || nodes.empty()) return {};
+  // N: the most common leading size among 2-D tensor outputs of the stage.
+  std::map<int64_t, int> counts;
+  for (ir::Node* n : nodes)
+    for (ir::Value* o : n->outputs())
+      if (auto* t = o->tensor_type(); t && t->sizes.size() == 2 && t->sizes[0] >= min_rows) ++counts[t->sizes[0]];
+  if (counts.empty()) return {};
+  const int64_t N = std::max_element(counts.begin(), counts.end(),
+                                     [](auto& a, auto& b) { return a.second < b.second; })->first;
+  std::optional<at::ScalarType> dtype;
+  for (ir::Node* n : nodes)
+    if (n->is<ir::FusionGroup>() || (n->get_if<ir::Op>() && n->get_if<ir::Op>()->id() == OpId::mm))
+      if (auto* t = n->outputs().empty() ? nullptr : n->outputs()[0]->tensor_type(); t && t->sizes.size() == 2 && t->sizes[0] == N) {
+        dtype = t->dtype;
+        break;
+      }
+  if (!dtype || (*dtype != at::kFloat && *dtype != at::kDouble)) return {};
+
+  // Region nodes: their level (the region they belong to) and their outputs' layouts.
+  // Nodes outside that read region values get a taint level: the highest level they
+  // depend on; a region node reading them must sit at a higher level (convexity).
+  std::unordered_map<const ir::Value*, RowLayout> layout;
+  std::unordered_map<const ir::Node*, int> level, taint, floating_need;
+  const int kFloating = -1;  // a t(row) whose level its reduction product decides
+  auto tensor_of = [](const ir::Value* v) { return v->tensor_type(); };
+  auto is_row_type = [&](const ir::TensorType* t) {
+    return t && t->sizes.size() == 2 && t->sizes[0] == N && t->dtype == *dtype && t->device.is_cpu();
+  };
+  // The layout a region node reads `v` with.
+  auto layout_of = [&](const ir::Value* v) -> RowLayout {
+    if (auto it = layout.find(v); it != layout.end())
+      return it->second == RowLayout::Reduction ? RowLayout::Invariant : it->second;  // complete once its region ran
+    const ir::TensorType* t = tensor_of(v);
+    if (!t || v->node()->is<ir::Undefined>() || !t->device.is_cpu()) return RowLayout::Bad;
+    if (is_row_type(t)) return RowLayout::Row;
+    if (t->sizes.size() == 2 && t->sizes[1] == N && t->sizes[0] != N && t->dtype == *dtype) return RowLayout::Col;
+    for (int64_t d : t->sizes)
+      if (d == N) return RowLayout::Bad;  // e.g. [N]: neither row nor small
+    return RowLayout::Invariant;
+  };
+  auto small = [](int64_t d) { return d >= 1 && d <= 64; };
+  // Whether invariant `v` broadcasts to [N, C] without its own rows (no leading size but 1).
+  auto broadcasts_to = [&](const ir::Value* v, int64_t C) {
+    const ir::TensorType* t = tensor_of(v);
+    if (!t || t->sizes.size() > 2) return false;
+    if (t->sizes.size() == 2 && t->sizes[0] != 1) return false;
+    return t->sizes.empty() || t->sizes.back() == 1 || t->sizes.back() == C;
+  };
+
+  // The layout node `n` would give its outputs in a region, or Bad.
+  auto classify = [&](ir::Node* n) -> RowLayout {
+    if (n->outputs().empty()) return RowLayout::Bad;
+    for (ir::Value* o : n->outputs())
+      if (!tensor_of(o)) return RowLayout::Bad;
+    std::vector<RowLayout> in;
+    for (ir::Value* v : n->inputs()) in.push_back(layout_of(v));
+    for (RowLayout l : in)
+      if (l == RowLayout::Bad) return RowLayout::Bad;
+    const bool all_invariant = std::all_of(in.begin(), in.end(), [](RowLayout l) { return l == RowLayout::Invariant; });
+    const ir::TensorType* out = tensor_of(n->outputs()[0]);
+    if (auto* fg = n->get_if<ir::FusionGroup>()) {
+      if (!fg->subgraph || all_invariant) return RowLayout::Bad;
+      const int64_t C = out->sizes.size() == 2 ? out->sizes[1] : -1;
+      for (ir::Value* o : n->outputs()) {
+        const ir::TensorType* t = tensor_of(o);
+        if (!is_row_type(t) || t->sizes[1] != C || !t->is_contiguous()) return RowLayout::Bad;
+      }
+      for (std::size_t i = 0; i < in.size(); ++i) {
+        if (in[i] == RowLayout::RowT || in[i] == RowLayout::Col) return RowLayout::Bad;
+        const ir::TensorType* t = tensor_of(n->inputs()[i]);
+        if (t->dtype != *dtype) return RowLayout::Bad;
+        if (in[i] == RowLayout::Row && t->sizes[1] != C && t->sizes[1] != 1) return RowLayout::Bad;
+        if (in[i] == RowLayout::Invariant && !broadcasts_to(n->inputs()[i], C)) return RowLayout::Bad;
+      }
+      return RowLayout::Row;
+    }
+    const ir::Op* op = n->get_if<ir::Op>();
+    if (!op || op->id() == OpId::unknown) return RowLayout::Bad;
+    const OpDef& def = ops::def(op->id());
+    if (def.side_effects || n->inputs().empty()) return RowLayout::Bad;
+    // Nodes reading no row run outside (before the region, or after the region whose
+    // reduction they read).
+    if (all_invariant) return RowLayout::Bad;
+    if (n->outputs().size() != 1) return RowLayout::Bad;
+    const Attributes attrs = ::stagejit::detail::to_core_attributes(op->attributes);
+    auto size_of = [&](std::size_t i, std::size_t d) { return tensor_of(n->inputs()[i])->sizes[d]; };
+    auto matrix = [&](std::size_t i) {  // an invariant product operand
+      const ir::TensorType* t = tensor_of(n->inputs()[i]);
+      return t->sizes.size() == 2 && t->dtype == *dtype;
+    };
+    switch (op->id()) {
+      case OpId::mm:
+        if (in[0] == RowLayout::Row && in[1] == RowLayout::Invariant && matrix(1) && small(size_of(0, 1)) &&
+            small(size_of(1, 1)) && is_row_type(out) && out->is_contiguous())
+          return RowLayout::Row;
+        if ((in[0] == RowLayout::RowT || in[0] == RowLayout::Col) && in[1] == RowLayout::Row && small(size_of(0, 0)) &&
+            small(size_of(1, 1)) && tensor_of(n->inputs()[1])->strides[1] == 1 &&
+            (tensor_of(n->inputs()[0])->strides[0] == 1 || tensor_of(n->inputs()[0])->strides[1] == 1) &&
+            out->is_contiguous() && out->dtype == *dtype)
+          return RowLayout::Reduction;
+        return RowLayout::Bad;
+      case OpId::addmm:
+        if (in[0] == RowLayout::Invariant && in[1] == RowLayout::Row && in[2] == RowLayout::Invariant &&
+            tiling::attr_is_one(attrs, "beta") && tiling::attr_is_one(attrs, "alpha") && matrix(2) &&
+            small(size_of(1, 1)) && small(size_of(2, 1)) && broadcasts_to(n->inputs()[0], size_of(2, 1)) &&
+            tensor_of(n->inputs()[0])->dtype == *dtype && is_row_type(out) && out->is_contiguous())
+          return RowLayout::Row;
+        return RowLayout::Bad;
+      case OpId::t: {
+        if (in[0] != RowLayout::Row) return RowLayout::Bad;
+        // Only as the first operand of reduction products.
+        for (const ir::Use& u : n->outputs()[0]->uses()) {
+          const ir::Op* uop = u.user->get_if<ir::Op>();
+          if (!uop || uop->id() != OpId::mm || u.offset != 0 || u.user->stage() != n->stage()) return RowLayout::Bad;
+        }
+        return RowLayout::RowT;
+      }
+      case OpId::sum_to_size: {
+        const Scalar* size = tiling::find_attr(attrs, "size");
+        auto* v = size ? std::get_if<std::vector<int64_t>>(size) : nullptr;
+        if (in[0] != RowLayout::Row || !v || !out->is_contiguous()) return RowLayout::Bad;
+        const int64_t C = size_of(0, 1);
+        if ((v->size() == 2 && (*v)[0] == 1 && (*v)[1] == C) || (v->size() == 1 && (*v)[0] == C))
+          return RowLayout::Reduction;
+        return RowLayout::Bad;
+      }
+      case OpId::narrow:
+      case OpId::cat: {
+        // Along the columns: row local (run per tile by ATen, into a dense buffer).
+        const Scalar* dim = tiling::find_attr(attrs, "dim");
+        auto* d = dim ? std::get_if<int64_t>(dim) : nullptr;
+        if (!d || (*d != 1 && *d != -1) || !is_row_type(out)) return RowLayout::Bad;
+        for (RowLayout l : in)
+          if (l != RowLayout::Row) return RowLayout::Bad;
+        return RowLayout::Row;
+      }
+      default:
+        break;
+    }
+    if (!def.elementwise || !is_row_type(out) || !out->is_contiguous()) return RowLayout::Bad;
+    for (std::size_t i = 0; i < in.size(); ++i)
+      if (in[i] == RowLayout::RowT || in[i] == RowLayout::Col ||
+          (in[i] == RowLayout::Invariant && !broadcasts_to(n->inputs()[i], out->sizes[1])))
+        return RowLayout::Bad;
+    return RowLayout::Row;
+  };
+
+  auto drop = [&](ir::Node* n) { level.erase(n); };
+  for (ir::Node* n : nodes) {
+    // The lowest level `n` may take, and the highest taint it would carry outside.
+    int need = 0, carry = -1;
+    for (ir::Value* v : n->inputs()) {
+      const ir::Node* p = v->node();
+      if (auto it = level.find(p); it != level.end()) {
+        const int l = it->second == kFloating ? 0 : it->second;
+        const bool reduction = layout.at(v) == RowLayout::Reduction;
+        need = std::max(need, reduction ? l + 1 : l);
+        carry = std::max(carry, l);
+      } else if (auto tt = taint.find(p); tt != taint.end()) {
+        need = std::max(need, tt->second + 1);
+        carry = std::max(carry, tt->second);
+      }
+    }
+    RowLayout l = classify(n);
+    if (l == RowLayout::Reduction && layout_of(n->inputs()[0]) == RowLayout::RowT) {
+      // A reduction product takes its t(X) into its own region: at least X's level.
+      ir::Node* t = n->inputs()[0]->node();
+      int& tl = level.at(t);
+      if (tl == kFloating) {
+        need = std::max(need, floating_need.at(t));
+        tl = need;
+      } else if (tl < need) {
+        l = RowLayout::Bad;  // its t(X) already sits in an earlier region
+      } else {
+        need = tl;
+      }
+    }
+    if (l == RowLayout::Bad) {
+      if (carry >= 0) taint[n] = carry;
+      continue;
+    }
+    level[n] = l == RowLayout::RowT ? kFloating : need;
+    if (l == RowLayout::RowT) floating_need[n] = need;
+    for (ir::Value* o : n->outputs()) layout[o] = l;
+  }
+  // A t(X) whose reading product stayed outside leaves too (with its products: they
+  // read only it and a row, and feed only later regions or the outside).
+  for (ir::Node* n : nodes) {
+    auto it = level.find(n);
+    if (it == level.end() || layout.at(n->outputs()[0]) != RowLayout::RowT) continue;
+    bool ok = it->second != kFloating;
+    for (const ir::Use& u : n->outputs()[0]->uses()) {
+      auto ut = level.find(u.user);
+      ok = ok && ut != level.end() && ut->second == it->second;
+    }
+    if (!ok) {
+      for (const ir::Use& u : n->outputs()[0]->uses()) drop(u.user);
+      drop(n);
+    }
+  }
+  // Group by level; a region with fewer than two row products or kernels is dropped
+  // whole (its nodes read only lower levels and feed only higher ones: still convex).
+  int max_level = -1;
+  for (auto& [n, l] : level) max_level = std::max(max_level, l);
+  std::vector<TiledRegion> regions;
+  for (int L = 0; L <= max_level; ++L) {
+    TiledRegion region;
+    region.rows = N;
+    region.dtype = *dtype;
+    int work = 0;
+    for (ir::Node* n : nodes) {
+      auto it = level.find(n);
+      if (it == level.end() || it->second != L) continue;
+      region.nodes.push_back(n);
+      const RowLayout l = layout.at(n->outputs()[0]);
+      if (n->is<ir::FusionGroup>()) ++work;
+      if (auto* op = n->get_if<ir::Op>(); op && (op->id() == OpId::mm || op->id() == OpId::addmm) && l == RowLayout::Row)
+        ++work;
+    }
+    if (work < 2) continue;
+    std::unordered_set<const ir::Node*> members(region.nodes.begin(), region.nodes.end());
+    for (ir::Node* n : region.nodes) {
+      for (ir::Value* v : n->inputs())
+        if (!members.count(v->node()) && region.input_index(v) < 0) region.inputs.push_back(v);
+      for (ir::Value* o : n->outputs()) {
+        bool outside = false;
+        for (const ir::Use& u : o->uses()) outside = outside || !members.count(u.user);
+        if (outside) region.outputs.push_back(o);
+      }
+    }
+    regions.push_back(std::move(region));
+  }
+  return regions;
+}
+
+/// Runs a `TiledRegion` (Note [Row-tiled regions]). Built once per stage closure; `run`
+/// is thread-safe.
+class TiledRegionRunner {
+ public:
+  /// `region`: from `find_row_tiled_regions`; `tile_rows`: rows per tile (> 0);
+  /// `group_names`: the printed name of each FusionGroup node, by node.
+  TiledRegionRunner(TiledRegion region, int64_t tile_rows,
+                    const std::unordered_map<const ir::Node*, std::string>& group_names)
+      : region_(std::move(region)), tile_(tile_rows) {
+    STAGEJIT_CHECK_AS(CompileError, tile_ > 0, "tiled region: tile_rows must be > 0, got ", tile_);
+    // Values: inputs first, then every node output.
+    auto add_value = [&](ir::Value* v, Storage st, int64_t index) {
+      const ir::TensorType* t = v->tensor_type();
+      Value val;
+      val.ir = v;
+      val.storage = st;
+      val.index = index;
+      if (t) {
+        val.sizes.assign(t->sizes.begin(), t->sizes.end());
+        val.dtype = t->dtype;
+      }
+      val.row = t && t->sizes.size() == 2 && t->sizes[0] == region_.rows;
+      if (val.row) val.cols = t->sizes[1];
+      index_of_[v] = values_.size();
+      values_.push_back(std::move(val));
+    };
+    for (std::size_t i = 0; i < region_.inputs.size(); ++i) add_value(region_.inputs[i], Storage::Input, int64_t(i));
+    for (ir::Node* n : region_.nodes) {
+      Step step;
+      step.node = n;
+      const ir::Op* op = n->get_if<ir::Op>();
+      if (auto* fg = n->get_if<ir::FusionGroup>()) {
+        auto it = group_names.find(n);
+        std::string name = it == group_names.end() ? "fusion_group" : it->second;
+        auto group = std::make_shared<const fusion::FusedGroup>(fg->subgraph, name);
+        step.kind = tiling::FusedStep{group, fg->subgraph, name, n->outputs()[0]->tensor_type()->sizes[1]};
+      } else if (op->id() == OpId::mm) {
+        const bool reduce = !n->outputs()[0]->tensor_type() || n->outputs()[0]->tensor_type()->sizes[0] != region_.rows;
+        if (reduce)
+          step.kind = tiling::ReduceMmStep{};
+        else
+          step.kind = tiling::RowMmStep{false};
+      } else if (op->id() == OpId::addmm) {
+        step.kind = tiling::RowMmStep{true};
+      } else if (op->id() == OpId::sum_to_size) {
+        step.kind = tiling::ColSumStep{};
+      } else if (op->id() == OpId::t) {
+        step.kind = std::monostate{};  // a view the reduction product reads through
+      } else {
+        step.kind = tiling::RowOpStep{&ops::def(op->id()), ::stagejit::detail::to_core_attributes(op->attributes)};
+      }
+      for (ir::Value* o : n->outputs()) add_value(o, Storage::Scratch, -1);
+      for (ir::Value* v : n->inputs()) step.in.push_back(index_of_.at(v));
+      for (ir::Value* o : n->outputs()) step.out.push_back(index_of_.at(o));
+      if (std::holds_alternative<std::monostate>(step.kind)) {
+        // t(X): the reduction products read X itself.
+        values_[step.out[0]].storage = Storage::Alias;
+        values_[step.out[0]].index = int64_t(step.in[0]);
+      }
+      steps_.push_back(std::move(step));
+    }
+    // Region outputs get full tensors; reductions too.
+    for (std::size_t j = 0; j < region_.outputs.size(); ++j) {
+      Value& v = values_[index_of_.at(region_.outputs[j])];
+      STAGEJIT_CHECK_AS(CompileError, v.storage != Storage::Alias, "tiled region: a transposed row is read outside");
+      if (v.storage == Storage::Scratch) {
+        v.storage = Storage::Output;
+        v.index = int64_t(j);
+      }
+    }
+    for (const Step& st : steps_)
+      if (std::holds_alternative<tiling::ReduceMmStep>(st.kind) || std::holds_alternative<tiling::ColSumStep>(st.kind)) {
+        Value& v = values_[st.out[0]];
+        if (v.storage == Storage::Scratch) {  // a reduction nobody reads: still computed
+          v.storage = Storage::Reduction;
+          v.index = int64_t(reductions_++);
+        }
+      }
+    // Scratch slots: reuse a slot once its value is dead (after its last reading step).
+    std::vector<std::size_t> last_use(values_.size(), 0);
+    for (std::size_t i = 0; i < steps_.size(); ++i)
+      for (std::size_t v : steps_[i].in) {
+        std::size_t target = values_[v].storage == Storage::Alias ? std::size_t(values_[v].index) : v;
+        last_use[target] = i;
+      }
+    std::vector<std::pair<int64_t, std::size_t>> free_slots;  // (cols, slot)
+    std::vector<std::vector<std::size_t>> dies_after(steps_.size());
+    for (std::size_t i = 0; i < steps_.size(); ++i) {
+      for (std::size_t o : steps_[i].out) {
+        Value& v = values_[o];
+        if (v.storage != Storage::Scratch) continue;
+        STAGEJIT_CHECK_AS(CompileError, v.row, "tiled region: scratch value %", v.ir->id(), " is not a row value");
+        auto it = std::find_if(free_slots.begin(), free_slots.end(), [&](auto& f) { return f.first == v.cols; });
+        if (it != free_slots.end()) {
+          v.index = int64_t(it->second);
+          free_slots.erase(it);
+        } else {
+          v.index = int64_t(slot_cols_.size());
+          slot_cols_.push_back(v.cols);
+        }
+        dies_after[std::max(i, last_use[o])].push_back(o);
+      }
+      for (std::size_t o : dies_after[i]) free_slots.emplace_back(values_[o].cols, std::size_t(values_[o].index));
+    }
+  }
+
+  const TiledRegion& region() const noexcept { return region_; }
+  int64_t tile_rows() const noexcept { return tile_; }
+  /// Scratch buffers of one call ([tile_rows, C] each).
+  std::size_t num_scratch_slots() const noexcept { return slot_cols_.size(); }
+
+  /// Runs the region on `inputs` (one per `region().inputs`), returning one Variable per
+  /// `region().outputs`. Falls back to running the nodes one by one when the inputs do
+  /// not match the recorded types (Note [Row-tiled regions]).
+  variable_list run(const variable_list& inputs) const {
+    std::vector<at::Tensor> in;
+    in.reserve(inputs.size());
+    for (const auto& v : inputs) in.push_back(v.data());
+    if (!inputs_match(in)) return run_untiled(inputs);
+    if (region_.dtype == at::kFloat) return run_tiled<float>(in, inputs);
+    return run_tiled<double>(in, inputs);
+  }
+
+  /// The region's nodes one by one on whole tensors, as the untiled closure runs them
+  /// (what `run` falls back to, and the reference its tiles must equal). Throws what
+  /// the nodes throw.
+  variable_list run_untiled(const variable_list& inputs) const {
+    std::vector<Variable> vals(values_.size());
+    for (std::size_t i = 0; i < inputs.size(); ++i) vals[i] = inputs[i];
+    for (const Step& st : steps_) {
+      variable_list args;
+      for (std::size_t v : st.in) args.push_back(vals[v]);
+      variable_list outs;
+      if (auto* f = std::get_if<tiling::FusedStep>(&st.kind)) {
+        std::vector<at::Tensor> tensors;
+        for (const auto& a : args) tensors.push_back(a.data());
+        for (auto& t : f->group->run(tensors)) outs.emplace_back(std::move(t));
+      } else {
+        const ir::Op* op = st.node->get_if<ir::Op>();
+        outs = ops::apply(ops::def(op->id()), args, ::stagejit::detail::to_core_attributes(op->attributes));
+      }
+      for (std::size_t k = 0; k < st.out.size() && k < outs.size(); ++k) vals[st.out[k]] = outs[k];
+    }
+    variable_list result;
+    for (ir::Value* o : region_.outputs) result.push_back(vals[index_of_.at(o)]);
+    return result;
+  }
+
+ private:
+  enum class Storage : uint8_t { Input, Scratch, Output, Reduction, Alias };
+  struct Value {
+    ir::Value* ir = nullptr;
+    Storage storage = Storage::Scratch;
+    int64_t index = -1;  // input, per-call, slot, output or reduction index; Alias: the value
+    bool row = false;
+    int64_t cols = 0;
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype = at::kFloat;
+  };
+  struct Step {
+    ir::Node* node = nullptr;
+    std::variant<std::monostate, tiling::FusedStep, tiling::RowMmStep, tiling::ReduceMmStep, tiling::ColSumStep,
+                 tiling::RowOpStep>
+        kind;
+    std::vector<std::size_t> in, out;  // value indices
+  };
+
+  bool inputs_match(const std::vector<at::Tensor>& in) const {
+    if (in.size() != region_.inputs.size()) return false;
+    for (std::size_t i = 0; i < in.size(); ++i) {
+      const at::Tensor& t = in[i];
+      const Value& v = values_[i];
+      if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || t.sizes() != at::IntArrayRef(v.sizes))
+        return false;
+      if (t.scalar_type() != v.dtype) return false;
+      if (t.is_conj() || t.is_neg() || t._is_zerotensor()) return false;
+    }
+    return true;
+  }
+
+  // A row value's rows [r0, r0 + rows) as a kernel argument (sizes set by the caller).
+  struct View {
+    char* data = nullptr;
+    int64_t s0 = 0, s1 = 0;  // element strides
+  };
+
+  template <class T>
+  variable_list run_tiled(const std::vector<at::Tensor>& in, const variable_list& inputs) const {
+    const int64_t N = region_.rows;
+    const auto options = at::TensorOptions().dtype(region_.dtype).device(at::kCPU);
+    // Once per call: the outputs and the scratch buffers.
+    std::vector<at::Tensor> contiguous_b(values_.size());  // dense-row copies of product operands
+    auto tensor_of = [&](std::size_t v) -> const at::Tensor& { return in[std::size_t(values_[v].index)]; };
+    std::vector<at::Tensor> outputs(region_.outputs.size());
+    for (std::size_t j = 0; j < outputs.size(); ++j) {
+      const Value& v = values_[index_of_.at(region_.outputs[j])];
+      if (v.storage == Storage::Output) outputs[j] = at::empty(v.sizes, options);
+    }
+    std::vector<at::Tensor> reductions(reductions_);
+    std::vector<at::Tensor> slots;
+    slots.reserve(slot_cols_.size());
+    for (int64_t c : slot_cols_) slots.push_back(at::empty({tile_, c}, options));
+    auto full_of = [&](std::size_t v) -> at::Tensor {
+      const Value& val = values_[v];
+      switch (val.storage) {
+        case Storage::Input: return tensor_of(v);
+        case Storage::Output: return outputs[std::size_t(val.index)];
+        case Storage::Reduction: return reductions[std::size_t(val.index)];
+        default: return {};
+      }
+    };
+    for (std::size_t i = 0; i < steps_.size(); ++i) {
+      const Step& st = steps_[i];
+      const bool reduce = std::holds_alternative<tiling::ReduceMmStep>(st.kind);
+      if (reduce || std::holds_alternative<tiling::ColSumStep>(st.kind)) {
+        const Value& o = values_[st.out[0]];
+        at::Tensor& dst = o.storage == Storage::Output ? outputs[std::size_t(o.index)] : reductions[std::size_t(o.index)];
+        dst = at::empty(o.sizes, options);
+      }
+      if (auto* mm = std::get_if<tiling::RowMmStep>(&st.kind)) {
+        const at::Tensor& b = tensor_of(st.in[mm->has_bias ? 2 : 1]);
+        contiguous_b[st.in[mm->has_bias ? 2 : 1]] = b.stride(1) == 1 ? b : b.contiguous();
+      }
+    }
+    // Kernels of the fused steps, planned once per region.
+    const std::vector<std::shared_ptr<const fusion::CpuKernel>>& kernels = kernels_for(in);
+    if (kernels.empty()) return run_untiled(inputs);
+
+    // Where each value lives in this call; a row value's tile starts r0 rows further.
+    std::vector<View> base(values_.size());
+    for (std::size_t v = 0; v < values_.size(); ++v) {
+      const Value& val = values_[v];
+      if (val.storage == Storage::Scratch) {
+        base[v] = {static_cast<char*>(slots[std::size_t(val.index)].data_ptr()), val.cols, 1};
+        continue;
+      }
+      if (val.storage != Storage::Input && val.storage != Storage::Output) continue;
+      const at::Tensor t = full_of(v);
+      base[v] = {static_cast<char*>(t.data_ptr()), t.dim() > 1 ? t.stride(0) : 0, t.dim() > 0 ? t.stride(-1) : 0};
+    }
+    auto view = [&](std::size_t v, int64_t r0) -> View {
+      const Value& val = values_[v];
+      View b = base[v];
+      if (val.row && val.storage != Storage::Scratch) b.data += r0 * b.s0 * int64_t(sizeof(T));
+      return b;
+    };
+    // Kernel inputs that every tile sees alike (a broadcast bias, a row of an expand with
+    // stride 0) become one dense [tile_rows, C] block per call, so that every argument of
+    // such a kernel is dense and it runs as one long vector loop instead of row by row.
+    std::vector<at::Tensor> blocks;
+    std::vector<std::vector<const char*>> dense_in(steps_.size());
+    std::vector<const char*> bias_block(steps_.size(), nullptr);
+    auto block_of = [&](const at::Tensor& t, int64_t C) -> const char* {
+      at::Tensor b = t.dim() == 2 && t.size(0) != 1 ? t.narrow(0, 0, tile_) : t;
+      blocks.push_back(b.expand({tile_, C}).contiguous());
+      return static_cast<const char*>(blocks.back().data_ptr());
+    };
+    for (std::size_t i = 0; i < steps_.size(); ++i) {
+      const Step& st = steps_[i];
+      if (auto* f = std::get_if<tiling::FusedStep>(&st.kind)) {
+        dense_in[i].assign(st.in.size(), nullptr);
+        for (std::size_t k = 0; k < st.in.size(); ++k) {
+          const Value& val = values_[st.in[k]];
+          if (val.storage != Storage::Input) continue;
+          const bool broadcast_rows = !val.row || (base[st.in[k]].s0 == 0 && val.cols == f->cols);
+          if (broadcast_rows) dense_in[i][k] = block_of(in[std::size_t(val.index)], f->cols);
+        }
+      } else if (auto* mm = std::get_if<tiling::RowMmStep>(&st.kind); mm && mm->has_bias) {
+        bias_block[i] = block_of(tensor_of(st.in[0]).reshape({1, -1}), contiguous_b[st.in[2]].size(1));
+      }
+    }
+    const std::vector<T> ones(std::size_t(tile_), T(1));  // column sums as products
+    // Reductions: each tile's partial result in T, summed over the tiles in double.
+    std::vector<T> part;
+    std::vector<std::vector<double>> sums(steps_.size());
+    auto add_to = [](std::vector<double>& acc, const std::vector<T>& x) {
+      if (acc.empty()) acc.assign(x.size(), 0.0);
+      for (std::size_t k = 0; k < x.size(); ++k) acc[k] += double(x[k]);
+    };
+    // A product LIBXSMM refuses (strides of this call's inputs it cannot read) sends the
+    // whole call down the untiled path: nothing the region wrote is visible yet.
+    bool refused = false;
+    for (int64_t r0 = 0; r0 < N && !refused; r0 += tile_) {
+      const int64_t rows = std::min(tile_, N - r0);
+      for (std::size_t i = 0; i < steps_.size() && !refused; ++i) {
+        const Step& st = steps_[i];
+        std::visit(Overloaded{
+                       [&](const std::monostate&) {},
+                       [&](const tiling::FusedStep& f) {
+                         run_fused_tile<T>(st, f, *kernels[i], rows, r0, view, dense_in[i]);
+                       },
+                       [&](const tiling::RowMmStep& mm) {
+                         const std::size_t a = st.in[mm.has_bias ? 1 : 0], b = st.in[mm.has_bias ? 2 : 1];
+                         const View A = view(a, r0), O = view(st.out[0], r0);
+                         const at::Tensor& B = contiguous_b[b];
+                         const int64_t K = B.size(0), M = B.size(1);
+                         T* out = reinterpret_cast<T*>(O.data);
+                         if (mm.has_bias) {  // out = bias, then out += A @ B
+                           const char* bias = bias_block[i];
+                           if (O.s0 == M)
+                             std::memcpy(out, bias, std::size_t(rows * M) * sizeof(T));
+                           else
+                             for (int64_t r = 0; r < rows; ++r)
+                               std::memcpy(out + r * O.s0, bias + r * M * int64_t(sizeof(T)), std::size_t(M) * sizeof(T));
+                         }
+                         refused = refused || !ops::small_mm_raw(reinterpret_cast<const T*>(A.data), A.s0, A.s1,
+                                                                 B.data_ptr<T>(), B.stride(0), B.stride(1), out, O.s0,
+                                                                 rows, K, M, mm.has_bias);
+                       },
+                       [&](const tiling::ReduceMmStep&) {
+                         // out [K, M] += X[rows, K]^T @ Y[rows, M]
+                         // The first operand: t(X) of a region value X, or a [K, N] tensor
+                         // from outside read by columns.
+                         const Value& xv = values_[st.in[0]];
+                         const T* xp = nullptr;
+                         int64_t a_s0 = 0, a_s1 = 0;
+                         if (xv.storage == Storage::Alias) {
+                           const View X = view(std::size_t(xv.index), r0);
+                           xp = reinterpret_cast<const T*>(X.data);
+                           a_s0 = X.s1;
+                           a_s1 = X.s0;
+                         } else {  // [K, N] by columns: base strides (stride(0), stride(1))
+                           const View c = base[st.in[0]];
+                           xp = reinterpret_cast<const T*>(c.data) + r0 * c.s1;
+                           a_s0 = c.s0;
+                           a_s1 = c.s1;
+                         }
+                         const View Y = view(st.in[1], r0);
+                         const Value& o = values_[st.out[0]];
+                         const int64_t K = o.sizes[0], M = o.sizes[1];
+                         part.resize(std::size_t(K * M));
+                         refused = refused || !ops::small_mm_raw(xp, a_s0, a_s1, reinterpret_cast<const T*>(Y.data),
+                                                                 Y.s0, Y.s1, part.data(), M, K, rows, M, false);
+                         add_to(sums[i], part);
+                       },
+                       [&](const tiling::ColSumStep&) {
+                         // out[1, C] += ones[1, rows] @ X[rows, C]: a reduction product.
+                         const View X = view(st.in[0], r0);
+                         const int64_t C = values_[st.in[0]].cols;
+                         const T* x = reinterpret_cast<const T*>(X.data);
+                         part.assign(std::size_t(C), T(0));
+                         if (!ops::small_mm_raw(ones.data(), rows, 1, x, X.s0, X.s1, part.data(), C, 1, rows, C, false))
+                           for (int64_t r = 0; r < rows; ++r)
+                             for (int64_t c = 0; c < C; ++c) part[std::size_t(c)] += x[r * X.s0 + c * X.s1];
+                         add_to(sums[i], part);
+                       },
+                       [&](const tiling::RowOpStep& op) {
+                         std::vector<at::Tensor> args;
+                         for (std::size_t v : st.in) {
+                           const Value& val = values_[v];
+                           if (!val.row) {
+                             args.push_back(full_of(v));
+                             continue;
+                           }
+                           const View x = view(v, r0);
+                           args.push_back(at::from_blob(x.data, {rows, val.cols}, {x.s0, x.s1}, options));
+                         }
+                         at::Tensor r = ops::run_forward(*op.op, args, op.attrs).at(0);
+                         const View O = view(st.out[0], r0);
+                         at::from_blob(O.data, {rows, values_[st.out[0]].cols}, {O.s0, O.s1}, options).copy_(r);
+                       },
+                   },
+                   st.kind);
+      }
+    }
+    if (refused) return run_untiled(inputs);
+    for (std::size_t i = 0; i < steps_.size(); ++i) {
+      if (sums[i].empty()) continue;
+      const Value& o = values_[steps_[i].out[0]];
+      at::Tensor& dst = o.storage == Storage::Output ? outputs[std::size_t(o.index)] : reductions[std::size_t(o.index)];
+      T* p = dst.data_ptr<T>();
+      for (std::size_t k = 0; k < sums[i].size(); ++k) p[k] = static_cast<T>(sums[i][k]);
+    }
+    return variable_list(outputs.begin(), outputs.end());
+  }
+
+  // One fused kernel on rows [r0, r0 + rows): the iteration shape [rows, C], merged to
+  // one dimension when every argument is dense.
+  // `dense_in[k]`: a dense [tile_rows, C] block that replaces input k (or null).
+  template <class T, class ViewFn>
+  void run_fused_tile(const Step& st, const tiling::FusedStep& f, const fusion::CpuKernel& kernel, int64_t rows,
+                      int64_t r0, ViewFn& view, const std::vector<const char*>& dense_in) const {
+    const int64_t C = f.cols;
+    const std::size_t n = st.in.size() + st.out.size();
+    fusion::TensorArg args[64];
+    STAGEJIT_CHECK(n <= 64, "tiled region: ", f.name, " has more than 64 arguments");
+    bool dense = true;
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::size_t v = k < st.in.size() ? st.in[k] : st.out[k - st.in.size()];
+      const Value& val = values_[v];
+      fusion::TensorArg& a = args[k];
+      if (k < st.in.size() && dense_in[k]) {
+        a.data = const_cast<char*>(dense_in[k]);
+        a.strides[0] = C;
+        a.strides[1] = 1;
+        continue;
+      }
+      const View x = view(v, r0);
+      a.data = x.data;
+      int64_t s0 = x.s0, s1 = x.s1;
+      if (!val.row) {  // broadcast invariant: [C], [1, C], [1, 1], [1] or a 0-d tensor
+        s0 = 0;
+        const int64_t last = val.sizes.empty() ? 1 : val.sizes.back();
+        s1 = last == 1 ? 0 : x.s1;
+      } else if (val.cols == 1 && C != 1) {
+        s1 = 0;
+      }
+      a.strides[0] = s0;
+      a.strides[1] = s1;
+      dense = dense && s1 == 1 && s0 == C;
+    }
+    if (dense || C == 1) {
+      for (std::size_t k = 0; k < n; ++k) {
+        args[k].sizes[0] = rows * C;
+        args[k].strides[0] = C == 1 ? args[k].strides[0] : 1;
+      }
+      kernel.entry_fn()(0, rows * C, 1, args);
+      return;
+    }
+    for (std::size_t k = 0; k < n; ++k) {
+      args[k].sizes[0] = rows;
+      args[k].sizes[1] = C;
+    }
+    kernel.entry_fn()(0, rows * C, 2, args);
+  }
+
+  // The CPU kernel of every fused step (null entries for other steps), planned on the
+  // first call from tensors shaped as a tile; empty when some group cannot use a kernel.
+  const std::vector<std::shared_ptr<const fusion::CpuKernel>>& kernels_for(
+      const std::vector<at::Tensor>& in) const {
+    std::call_once(kernels_once_, [&] {
+      std::vector<std::shared_ptr<const fusion::CpuKernel>> ks(steps_.size());
+      const auto options = at::TensorOptions().dtype(region_.dtype).device(at::kCPU);
+      for (std::size_t i = 0; i < steps_.size(); ++i) {
+        auto* f = std::get_if<tiling::FusedStep>(&steps_[i].kind);
+        if (!f) continue;
+        std::vector<at::Tensor> sample;
+        for (std::size_t v : steps_[i].in) {
+          const Value& val = values_[v];
+          if (val.row) {
+            sample.push_back(at::empty({tile_, val.cols}, options));
+          } else {
+            sample.push_back(in[std::size_t(val.index)]);
+          }
+        }
+        fusion::detail::GroupPlan plan;
+        try {
+          plan = fusion::detail::plan_group(*f->subgraph, ir::to_string(*f->subgraph), sample, {}, f->name);
+        } catch (const Error&) {
+          return;
+        }
+        if (!plan.kernel || !plan.fallback.empty() || plan.shape != std::vector<int64_t>{tile_, f->cols}) return;
+        for (at::ScalarType dt : plan.output_dtypes)
+          if (dt != region_.dtype) return;
+        ks[i] = plan.kernel;
+      }
+      kernels_ = std::move(ks);
+    });
+    return kernels_;
+  }
+
+  TiledRegion region_;
+  int64_t tile_;
+  std::vector<Value> values_;
+  std::unordered_map<const ir::Value*, std::size_t> index_of_;
+  std::vector<Step> steps_;
+  std::vector<int64_t> slot_cols_;
+  std::size_t reductions_ = 0;
+  mutable std::once_flag kernels_once_;
+  mutable std::vector<std::shared_ptr<const fusion::CpuKernel>> kernels_;
+};
+
+}  // namespace stagejit::closure
+#include <stagejit/core/detail/bodies_end.hpp>

@@ -1,0 +1,219 @@
+// Row-tiled regions (Note [Row-tiled regions] in closure/tiled_region.hpp; issue 14): the
+// row-local nodes of a compiled stage on tall tensors run tile by tile. Checked against
+// libtorch's autograd at every order of a physics-informed step (float and double), against
+// the same stages untiled, and through the region runner directly (its untiled fallback for
+// inputs that do not match the trace, or that LIBXSMM cannot read).
+#include <stagejit/stagejit.hpp>
+#include <stagejit/testing/doctest.hpp>
+
+#include "../support/staged_oracle.hpp"
+
+#include <cmath>
+
+namespace sj = stagejit;
+using sj::testing::max_abs_diff;
+
+namespace {
+
+// in = {X [n, 2], W1 [2, 20], b1 [20], W2 [20, 20], b2 [20], W3 [20, 1]}: a tanh MLP, u [n, 1].
+sj::variable_list mlp(const sj::variable_list& in) {
+  auto h = sj::tanh(sj::add(sj::mm(in[0], in[1]), in[2]));
+  h = sj::tanh(sj::add(sj::mm(h, in[3]), in[4]));
+  return {sj::mm(h, in[5])};
+}
+torch::Tensor torch_mlp(const std::vector<torch::Tensor>& in) {
+  auto h = torch::tanh(torch::mm(in[0], in[1]) + in[2]);
+  h = torch::tanh(torch::mm(h, in[3]) + in[4]);
+  return torch::mm(h, in[5]);
+}
+
+// n rows: more than kMinTiledRows, and a multiple neither of the tile sizes below nor of
+// LIBXSMM's 64-row and 256-column blocks, so every tail is exercised.
+constexpr int64_t kRows = 2500;
+
+std::vector<at::Tensor> mlp_data(at::ScalarType dtype) {
+  auto o = at::TensorOptions().dtype(dtype);
+  return {at::rand({kRows, 2}, o) * 2 - 1, at::randn({2, 20}, o) * 0.7, at::randn({20}, o) * 0.1,
+          at::randn({20, 20}, o) * 0.3,    at::randn({20}, o) * 0.1,   at::randn({20, 1}, o) * 0.3};
+}
+
+struct Step {
+  double loss;
+  std::vector<at::Tensor> grads;
+};
+
+// u, u_x, u_t, u_xx by grad(create_graph), a Burgers-like residual loss, and its gradient
+// in the weights: stages 0-3 of a net compiled with three derivatives.
+Step sj_step(sj::CompiledFunction& net, const std::vector<at::Tensor>& data) {
+  sj::variable_list in;
+  for (const auto& t : data) in.emplace_back(t, true);
+  auto u = net(in)[0];
+  auto du = sj::grad({u}, {in[0]}, {sj::Variable(at::ones_like(u.data()))}, true)[0];
+  auto u_x = sj::narrow(du, 1, 1, 1);
+  auto u_t = sj::narrow(du, 1, 0, 1);
+  auto ddu = sj::grad({u_x}, {in[0]}, {sj::Variable(at::ones_like(u_x.data()))}, true)[0];
+  auto u_xx = sj::narrow(ddu, 1, 1, 1);
+  auto f = sj::sub(sj::add(u_t, sj::mul(u, u_x)), sj::mul(u_xx, 0.01));
+  auto loss = sj::add(sj::mean(sj::mul(f, f)), sj::mean(sj::mul(u, u)));
+  sj::variable_list params(in.begin() + 1, in.end());
+  auto g = sj::grad({loss}, params);
+  Step s{loss.data().to(at::kDouble).item<double>(), {}};
+  for (const auto& v : g) s.grads.push_back(v.data());
+  return s;
+}
+
+Step torch_step(const std::vector<at::Tensor>& data) {
+  std::vector<torch::Tensor> in;
+  for (const auto& t : data) in.push_back(t.detach().clone().set_requires_grad(true));
+  auto u = torch_mlp(in);
+  auto du = torch::autograd::grad({u}, {in[0]}, {torch::ones_like(u)}, true, true)[0];
+  auto u_x = du.narrow(1, 1, 1);
+  auto u_t = du.narrow(1, 0, 1);
+  auto ddu = torch::autograd::grad({u_x}, {in[0]}, {torch::ones_like(u_x)}, true, true)[0];
+  auto u_xx = ddu.narrow(1, 1, 1);
+  auto f = u_t + u * u_x - u_xx * 0.01;
+  auto loss = (f * f).mean() + (u * u).mean();
+  std::vector<torch::Tensor> params(in.begin() + 1, in.end());
+  auto g = torch::autograd::grad({loss}, params);
+  return Step{loss.to(at::kDouble).item<double>(), {g.begin(), g.end()}};
+}
+
+// Largest |a - b| / (1 + max |b|) over the loss and the gradients.
+double step_difference(const Step& got, const Step& want) {
+  double d = std::abs(got.loss - want.loss) / (1 + std::abs(want.loss));
+  REQUIRE(got.grads.size() == want.grads.size());
+  for (std::size_t i = 0; i < want.grads.size(); ++i) {
+    REQUIRE(got.grads[i].defined());
+    const at::Tensor w = want.grads[i].to(at::kDouble);
+    d = std::max(d, max_abs_diff(got.grads[i].to(at::kDouble), w) / (1 + w.abs().max().item<double>()));
+  }
+  return d;
+}
+
+// The Functions of the stages of `c` that run row-tiled regions.
+std::size_t count_regions(const sj::closure::MultiStageClosure& c) {
+  std::size_t n = 0;
+  for (const auto& stage : c.stages)
+    for (const auto& fn : stage.functions)
+      if (fn->name() == "FusedKernel(tiled_region)") ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST_SUITE("closure") {
+
+TEST_CASE("row-tiled regions: a third-order step equals libtorch in double, tiled or not") {
+  if (!sj::ops::small_mm_enabled()) return;  // regions need LIBXSMM
+  at::manual_seed(5);
+  const auto data = mlp_data(at::kDouble);
+  const Step want = torch_step(data);
+  for (int64_t tile : {int64_t(0), int64_t(256), int64_t(1000)})
+    for (bool fuse : {true, false})
+      for (bool specialize : {true, false}) {
+        CAPTURE(tile);
+        CAPTURE(fuse);
+        CAPTURE(specialize);
+        auto net = sj::compile(mlp, {.derivatives = 3, .fuse = fuse, .specialize = specialize, .tile_rows = tile});
+        // Three rounds: the later ones run the cached stage variants of several masks.
+        for (int round = 0; round < 3; ++round) {
+          CAPTURE(round);
+          CHECK(step_difference(sj_step(net, data), want) <= 1e-10);
+        }
+      }
+}
+
+TEST_CASE("row-tiled regions: a third-order step equals libtorch in float") {
+  if (!sj::ops::small_mm_enabled()) return;
+  at::manual_seed(6);
+  const auto data = mlp_data(at::kFloat);
+  const Step want = torch_step(data);
+  auto net = sj::compile(mlp, {.derivatives = 3, .tile_rows = 512});
+  for (int round = 0; round < 3; ++round) {
+    CAPTURE(round);
+    CHECK(step_difference(sj_step(net, data), want) <= 1e-5);
+  }
+}
+
+TEST_CASE("row-tiled regions: tall stages get regions, short ones and tile_rows = 0 none") {
+  if (!sj::ops::small_mm_enabled()) return;
+  at::manual_seed(7);
+  auto closure_of = [](int64_t rows, int64_t tile) {
+    auto data = mlp_data(at::kDouble);
+    data[0] = at::rand({rows, 2}, at::kDouble);
+    auto net = sj::compile(mlp, {.derivatives = 3, .tile_rows = tile});
+    sj::variable_list in;
+    for (const auto& t : data) in.emplace_back(t, true);
+    return net.closure_for(in);
+  };
+  auto tiled = closure_of(kRows, 256);
+  // Every stage: the forward, its backward, and the two backward-of-backward stages.
+  CHECK(count_regions(*tiled) >= tiled->num_stages());
+  std::size_t tiled_functions = 0, plain_functions = 0;
+  for (const auto& st : tiled->stages) tiled_functions += st.functions.size();
+  auto plain = closure_of(kRows, 0);
+  CHECK(count_regions(*plain) == 0);
+  for (const auto& st : plain->stages) plain_functions += st.functions.size();
+  CHECK(tiled_functions < plain_functions);
+  // Fewer rows than kMinTiledRows: the tensors fit in the caches, no region.
+  CHECK(count_regions(*closure_of(1000, 256)) == 0);
+  // The region names what it runs.
+  for (const auto& fn : tiled->stages[0].functions)
+    if (fn->name() == "FusedKernel(tiled_region)") CHECK(fn->origin.find("row-tiled region 0 of stage 0") != std::string::npos);
+}
+
+TEST_CASE("row-tiled regions: the runner falls back to the nodes one by one, with the same values") {
+  if (!sj::ops::small_mm_enabled()) return;
+  at::manual_seed(8);
+  const auto data = mlp_data(at::kDouble);
+  auto net = sj::compile(mlp, {.derivatives = 1});
+  sj::variable_list in;
+  for (const auto& t : data) in.emplace_back(t, true);
+  auto closure = net.closure_for(in);
+  const auto regions = sj::closure::find_row_tiled_regions(closure->plan.stage_nodes(0), 0, 2048);
+  REQUIRE(regions.size() == 1);
+  const sj::closure::TiledRegion& region = regions[0];
+  CHECK(region.rows == kRows);
+  CHECK((region.dtype == at::kDouble));
+  // Stage 0's region reads graph inputs only: feed each its tensor.
+  auto inputs_for = [&](std::vector<at::Tensor> tensors) {
+    sj::variable_list vals;
+    for (sj::ir::Value* v : region.inputs) {
+      const auto& gin = closure->graph->inputs();
+      auto it = std::find(gin.begin(), gin.end(), v);
+      REQUIRE(it != gin.end());
+      vals.emplace_back(tensors.at(std::size_t(it - gin.begin())));
+    }
+    return vals;
+  };
+  sj::closure::TiledRegionRunner runner(region, 384, {});
+  auto check_same = [&](const sj::variable_list& vals) {
+    const auto tiled = runner.run(vals);
+    const auto plain = runner.run_untiled(vals);
+    REQUIRE(tiled.size() == region.outputs.size());
+    REQUIRE(plain.size() == tiled.size());
+    for (std::size_t j = 0; j < tiled.size(); ++j) {
+      CAPTURE(j);
+      REQUIRE(tiled[j].defined());
+      CHECK(tiled[j].data().sizes() == plain[j].data().sizes());
+      CHECK(max_abs_diff(tiled[j].data(), plain[j].data()) <= 1e-12);
+    }
+  };
+  check_same(inputs_for(data));
+  // X with every other column of a wider tensor: neither its rows nor its columns are
+  // dense, LIBXSMM cannot read it, and the call runs untiled.
+  auto wide = data;
+  wide[0] = at::randn({kRows, 4}, at::kDouble).slice(1, 0, 4, 2);
+  check_same(inputs_for(wide));
+  // Inputs of other sizes than the trace recorded: untiled, results of the new size.
+  auto other = data;
+  other[0] = at::randn({kRows + 7, 2}, at::kDouble);
+  const auto vals = inputs_for(other);
+  const auto out = runner.run(vals);
+  const auto plain = runner.run_untiled(vals);
+  for (std::size_t j = 0; j < out.size(); ++j) CHECK(max_abs_diff(out[j].data(), plain[j].data()) == 0);
+  // A region that is not worth it: the tile size must be positive.
+  CHECK_THROWS_AS(sj::closure::TiledRegionRunner(region, 0, {}), sj::CompileError);
+}
+
+}  // TEST_SUITE
