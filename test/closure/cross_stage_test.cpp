@@ -6,74 +6,21 @@
 #include <stagejit/stagejit.hpp>
 #include <stagejit/testing/doctest.hpp>
 
+#include "../support/pinn_step.hpp"
 #include "../support/staged_oracle.hpp"
 
 #include <cmath>
 
 namespace sj = stagejit;
 using sj::testing::max_abs_diff;
+using namespace sj::testing::pinn_step;
 
 namespace {
-
-// in = {X [n, 2], W1 [2, 6], b1 [6], W2 [6, 6], b2 [6], W3 [6, 1]}: a tanh MLP, u [n, 1].
-sj::variable_list mlp(const sj::variable_list& in) {
-  auto h = sj::tanh(sj::add(sj::mm(in[0], in[1]), in[2]));
-  h = sj::tanh(sj::add(sj::mm(h, in[3]), in[4]));
-  return {sj::mm(h, in[5])};
-}
-torch::Tensor torch_mlp(const std::vector<torch::Tensor>& in) {
-  auto h = torch::tanh(torch::mm(in[0], in[1]) + in[2]);
-  h = torch::tanh(torch::mm(h, in[3]) + in[4]);
-  return torch::mm(h, in[5]);
-}
 
 std::vector<at::Tensor> mlp_data() {
   return {at::randn({12, 2}, at::kDouble), at::randn({2, 6}, at::kDouble) * 0.7,
           at::randn({6}, at::kDouble) * 0.1,  at::randn({6, 6}, at::kDouble) * 0.5,
           at::randn({6}, at::kDouble) * 0.1,  at::randn({6, 1}, at::kDouble) * 0.5};
-}
-
-// The physics-informed step of examples/pinn in small: u, its first and second
-// derivatives in the input X (create_graph), a loss of all three, and the loss's
-// gradient in the weights: stages 1, 2 and 3 of a net compiled with three derivatives.
-struct Step {
-  double loss;
-  std::vector<at::Tensor> grads;
-};
-
-Step sj_step(sj::CompiledFunction& net, const std::vector<at::Tensor>& data) {
-  sj::variable_list in;
-  for (const auto& t : data) in.emplace_back(t, true);
-  in[0] = sj::Variable(data[0], true);
-  auto u = net(in)[0];
-  auto du = sj::grad({u}, {in[0]}, {sj::Variable(at::ones_like(u.data()))}, true)[0];  // [n, 2]
-  auto u_x = sj::narrow(du, 1, 1, 1);
-  auto u_t = sj::narrow(du, 1, 0, 1);
-  auto ddu = sj::grad({u_x}, {in[0]}, {sj::Variable(at::ones_like(u_x.data()))}, true)[0];
-  auto u_xx = sj::narrow(ddu, 1, 1, 1);
-  auto f = sj::sub(sj::add(u_t, sj::mul(u, u_x)), sj::mul(u_xx, 0.01));
-  auto loss = sj::add(sj::mean(sj::mul(f, f)), sj::mean(sj::mul(u, u)));
-  sj::variable_list params(in.begin() + 1, in.end());
-  auto g = sj::grad({loss}, params);
-  Step s{loss.data().item<double>(), {}};
-  for (const auto& v : g) s.grads.push_back(v.data());
-  return s;
-}
-
-Step torch_step(const std::vector<at::Tensor>& data) {
-  std::vector<torch::Tensor> in;
-  for (const auto& t : data) in.push_back(t.detach().clone().set_requires_grad(true));
-  auto u = torch_mlp(in);
-  auto du = torch::autograd::grad({u}, {in[0]}, {torch::ones_like(u)}, true, true)[0];
-  auto u_x = du.narrow(1, 1, 1);
-  auto u_t = du.narrow(1, 0, 1);
-  auto ddu = torch::autograd::grad({u_x}, {in[0]}, {torch::ones_like(u_x)}, true, true)[0];
-  auto u_xx = ddu.narrow(1, 1, 1);
-  auto f = u_t + u * u_x - u_xx * 0.01;
-  auto loss = (f * f).mean() + (u * u).mean();
-  std::vector<torch::Tensor> params(in.begin() + 1, in.end());
-  auto g = torch::autograd::grad({loss}, params);
-  return Step{loss.item<double>(), {g.begin(), g.end()}};
 }
 
 // Number of matrix products (mm, addmm, matmul, Gemm nodes) in stages >= `from` of `g`.

@@ -75,7 +75,8 @@ struct CompileOptions {
   /// least `max(2 * tile_rows, 2048)` rows (fused kernels, thin products, weight and
   /// bias gradient reductions) run tile by tile, so intermediates stay in the cache.
   /// Needs LIBXSMM (`ops::small_mm_enabled`); 0 turns it off. Measured on the Burgers
-  /// PINN step (bench/pinn.md): staged 1.46x -> 1.70x libtorch, compile-loss 1.52x -> 1.72x.
+  /// PINN step (bench/pinn.md, float): staged 1.48x -> 1.80x libtorch, compile-loss
+  /// 1.51x -> 1.80x.
   int64_t tile_rows = 512;
 };
 

@@ -174,18 +174,16 @@ STAGEJIT_FUNC std::optional<at::Tensor> run(const at::Tensor& a, const at::Tenso
 
 #endif  // STAGEJIT_HAVE_LIBXSMM
 
-}  // namespace detail::small_gemm_impl
-using namespace detail::small_gemm_impl;
-
-STAGEJIT_FUNC bool small_mm_raw(const float* a, int64_t a_s0, int64_t a_s1, const float* b, int64_t b_s0,
-                                int64_t b_s1, float* c, int64_t ldc, int64_t M, int64_t K, int64_t N,
-                                bool accumulate) noexcept {
+// `small_mm_raw` for either dtype.
+template <class T>
+bool raw_entry(const T* a, int64_t a_s0, int64_t a_s1, const T* b, int64_t b_s0, int64_t b_s1, T* c, int64_t ldc,
+               int64_t M, int64_t K, int64_t N, bool accumulate) noexcept {
 #if defined(STAGEJIT_HAVE_LIBXSMM)
   if (!enabled_by_environment()) return false;
   // One product for ATen's profilers (bench/pinn counts a row-tiled region's products
   // once per tile); no inputs to record.
   RECORD_FUNCTION("stagejit::small_mm", std::vector<c10::IValue>());
-  return run_raw<float>(a, a_s0, a_s1, b, b_s0, b_s1, c, ldc, M, K, N, accumulate);
+  return run_raw<T>(a, a_s0, a_s1, b, b_s0, b_s1, c, ldc, M, K, N, accumulate);
 #else
   (void)a, (void)a_s0, (void)a_s1, (void)b, (void)b_s0, (void)b_s1, (void)c, (void)ldc, (void)M, (void)K, (void)N,
       (void)accumulate;
@@ -193,20 +191,19 @@ STAGEJIT_FUNC bool small_mm_raw(const float* a, int64_t a_s0, int64_t a_s1, cons
 #endif
 }
 
+}  // namespace detail::small_gemm_impl
+using namespace detail::small_gemm_impl;
+
+STAGEJIT_FUNC bool small_mm_raw(const float* a, int64_t a_s0, int64_t a_s1, const float* b, int64_t b_s0,
+                                int64_t b_s1, float* c, int64_t ldc, int64_t M, int64_t K, int64_t N,
+                                bool accumulate) noexcept {
+  return raw_entry<float>(a, a_s0, a_s1, b, b_s0, b_s1, c, ldc, M, K, N, accumulate);
+}
+
 STAGEJIT_FUNC bool small_mm_raw(const double* a, int64_t a_s0, int64_t a_s1, const double* b, int64_t b_s0,
                                 int64_t b_s1, double* c, int64_t ldc, int64_t M, int64_t K, int64_t N,
                                 bool accumulate) noexcept {
-#if defined(STAGEJIT_HAVE_LIBXSMM)
-  if (!enabled_by_environment()) return false;
-  // One product for ATen's profilers (bench/pinn counts a row-tiled region's products
-  // once per tile); no inputs to record.
-  RECORD_FUNCTION("stagejit::small_mm", std::vector<c10::IValue>());
-  return run_raw<double>(a, a_s0, a_s1, b, b_s0, b_s1, c, ldc, M, K, N, accumulate);
-#else
-  (void)a, (void)a_s0, (void)a_s1, (void)b, (void)b_s0, (void)b_s1, (void)c, (void)ldc, (void)M, (void)K, (void)N,
-      (void)accumulate;
-  return false;
-#endif
+  return raw_entry<double>(a, a_s0, a_s1, b, b_s0, b_s1, c, ldc, M, K, N, accumulate);
 }
 
 STAGEJIT_FUNC bool small_mm_enabled() noexcept {
