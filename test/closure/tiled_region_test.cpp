@@ -119,7 +119,7 @@ TEST_CASE("row-tiled regions: the runner falls back to the nodes one by one, wit
   sj::variable_list in;
   for (const auto& t : data) in.emplace_back(t, true);
   auto closure = net.closure_for(in);
-  const auto regions = sj::closure::find_row_tiled_regions(closure->plan.stage_nodes(0), 0, 2048);
+  const auto regions = sj::closure::find_row_tiled_regions(closure->plan.stage_nodes(0), 2048);
   REQUIRE(regions.size() == 1);
   const sj::closure::TiledRegion& region = regions[0];
   CHECK(region.rows == kRows);

@@ -87,7 +87,7 @@ struct StageClosure {
     const auto& nodes = plan.stage_nodes(s);
     // The row-tiled regions, one Function for all the nodes of each (Note [Row-tiled regions]).
     std::vector<TiledRegion> regions;
-    if (tile_rows > 0) regions = find_row_tiled_regions(nodes, s, std::max<int64_t>(2 * tile_rows, kMinTiledRows));
+    if (tile_rows > 0) regions = find_row_tiled_regions(nodes, std::max<int64_t>(2 * tile_rows, kMinTiledRows));
     std::vector<std::shared_ptr<Function>> region_fns;
     std::unordered_map<const ir::Node*, std::size_t> region_of;
     for (std::size_t r = 0; r < regions.size(); ++r) {

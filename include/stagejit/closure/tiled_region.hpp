@@ -130,15 +130,13 @@ struct RowOpStep {
 
 }  // namespace tiling
 
-/// Builds the row-tiled regions of stage `s` (`nodes`: the stage's nodes in order), in
+/// Builds the row-tiled regions of a stage (`nodes`: the stage's nodes in order), in
 /// an order the stage can run them: region k reads only what regions before it and
 /// nodes outside every region make. Empty when none is worth it (a region needs two row
 /// products or kernels), no 2-D value has at least `min_rows` rows, or LIBXSMM is not
 /// available. See Note [Row-tiled regions].
-inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Node*>& nodes, std::size_t s,
-                                                       int64_t min_rows) {
+inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Node*>& nodes, int64_t min_rows) {
   using tiling::RowLayout;
-  (void)s;
   if (!ops::small_mm_enabled() || nodes.empty()) return {};
   // N: the most common leading size among 2-D tensor outputs of the stage.
   std::map<int64_t, int> counts;
@@ -567,11 +565,11 @@ class TiledRegionRunner {
     // Once per call: the outputs and the scratch buffers.
     std::vector<at::Tensor> contiguous_b(values_.size());  // dense-row copies of product operands
     auto tensor_of = [&](std::size_t v) -> const at::Tensor& { return in[std::size_t(values_[v].index)]; };
+    // Every output and reduction result is allocated once, whole; row outputs are
+    // filled tile by tile, reductions at the end.
     std::vector<at::Tensor> outputs(region_.outputs.size());
-    for (std::size_t j = 0; j < outputs.size(); ++j) {
-      const Value& v = values_[index_of_.at(region_.outputs[j])];
-      if (v.storage == Storage::Output) outputs[j] = at::empty(v.sizes, options);
-    }
+    for (std::size_t j = 0; j < outputs.size(); ++j)
+      outputs[j] = at::empty(values_[index_of_.at(region_.outputs[j])].sizes, options);
     std::vector<at::Tensor> reductions(reductions_);
     std::vector<at::Tensor> slots;
     slots.reserve(slot_cols_.size());
@@ -587,11 +585,9 @@ class TiledRegionRunner {
     };
     for (std::size_t i = 0; i < steps_.size(); ++i) {
       const Step& st = steps_[i];
-      const bool reduce = std::holds_alternative<tiling::ReduceMmStep>(st.kind);
-      if (reduce || std::holds_alternative<tiling::ColSumStep>(st.kind)) {
+      if (std::holds_alternative<tiling::ReduceMmStep>(st.kind) || std::holds_alternative<tiling::ColSumStep>(st.kind)) {
         const Value& o = values_[st.out[0]];
-        at::Tensor& dst = o.storage == Storage::Output ? outputs[std::size_t(o.index)] : reductions[std::size_t(o.index)];
-        dst = at::empty(o.sizes, options);
+        if (o.storage == Storage::Reduction) reductions[std::size_t(o.index)] = at::empty(o.sizes, options);
       }
       if (auto* mm = std::get_if<tiling::RowMmStep>(&st.kind)) {
         const at::Tensor& b = tensor_of(st.in[mm->has_bias ? 2 : 1]);
