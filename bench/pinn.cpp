@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
                  "Both compiled modes' CompileOptions::tile_rows: rows per tile of the row-tiled "
                  "regions (0: none; a region's products are counted once per tile)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   bool level_field = false;
   app.add_flag("--level-field", level_field,
                "glibc keeps freed memory in the heap (mallopt, as bench/closure's level field), so "
