@@ -162,6 +162,13 @@ int main(int argc, char** argv) {
                  "regions (0: none; a region's products are counted once per tile)")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  int engine_threads = sj::engine::num_threads();
+  app.add_option("--engine-threads", engine_threads,
+                 "stagejit's engine threads (the caller plus workers; default STAGEJIT_NUM_THREADS, else "
+                 "the core count): the staged compiled mode runs independent stages of the final "
+                 "backward on them at once, where libtorch's CPU backward runs on the calling thread")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
   bool level_field = false;
   app.add_flag("--level-field", level_field,
                "glibc keeps freed memory in the heap (mallopt, as bench/closure's level field), so "
@@ -175,7 +182,9 @@ int main(int argc, char** argv) {
   at::set_num_threads(1);
   if (level_field) std::printf("level field: freed memory stays in glibc's heap (no page faults for anyone)\n");
   const char* blas_env = std::getenv("OPENBLAS_NUM_THREADS");
-  std::printf("ATen threads %d; OPENBLAS_NUM_THREADS=%s\n", at::get_num_threads(), blas_env ? blas_env : "(unset)");
+  sj::engine::set_num_threads(engine_threads);
+  std::printf("ATen threads %d; OPENBLAS_NUM_THREADS=%s; stagejit engine threads %d (libtorch's CPU backward: 1)\n",
+              at::get_num_threads(), blas_env ? blas_env : "(unset)", sj::engine::num_threads());
   if (!blas_env || std::strcmp(blas_env, "1") != 0)
     std::printf("warning: OPENBLAS_NUM_THREADS is not 1: OpenBLAS's own threads spin while stagejit's "
                 "engine threads wait, which on a small machine slows the stagejit modes many times "

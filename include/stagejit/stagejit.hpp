@@ -29,6 +29,7 @@
 #include <stagejit/passes/dce.hpp>
 #include <stagejit/passes/graph_fuser.hpp>
 #include <stagejit/passes/peephole.hpp>
+#include <stagejit/passes/rematerialize.hpp>
 #include <stagejit/passes/zeros.hpp>
 #include <stagejit/fusion/kernel_spec.hpp>
 #include <stagejit/fusion/tensor_args.hpp>

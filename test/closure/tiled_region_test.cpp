@@ -1,5 +1,7 @@
 // Row-tiled regions (Note [Row-tiled regions] in closure/tiled_region.hpp; issue 14): the
-// row-local nodes of a compiled stage on tall tensors run tile by tile. Checked against
+// row-local nodes of a compiled stage on tall tensors run tile by tile; and cross-stage
+// rematerialisation (passes/rematerialize.hpp), the other half of keeping a PINN's stages
+// off the memory bus. Checked against
 // libtorch's autograd at every order of a physics-informed step (float and double), against
 // the same stages untiled, and through the region runner directly (its untiled fallback for
 // inputs that do not match the trace, or that LIBXSMM cannot read).
@@ -10,6 +12,8 @@
 #include "../support/staged_oracle.hpp"
 
 #include <cmath>
+#include <map>
+#include <string>
 
 namespace sj = stagejit;
 using sj::testing::max_abs_diff;
@@ -82,6 +86,62 @@ TEST_CASE("row-tiled regions: a third-order step equals libtorch in float") {
     CAPTURE(round);
     CHECK(step_difference(sj_step(net, data), want) <= 1e-5);
   }
+}
+
+TEST_CASE("row-tiled regions: a compiled loss with inner grads (narrow, cat, lone ops) equals libtorch") {
+  if (!sj::ops::small_mm_enabled()) return;
+  at::manual_seed(9);
+  const auto data = mlp_data(at::kDouble);
+  const Step want = torch_step(data);
+  for (int64_t tile : {int64_t(0), int64_t(256), int64_t(1000)}) {
+    CAPTURE(tile);
+    auto loss = sj::compile(mlp_loss, {.derivatives = 1, .tile_rows = tile});
+    for (int round = 0; round < 2; ++round) {
+      CAPTURE(round);
+      CHECK(step_difference(sj_loss_step(loss, data), want) <= 1e-10);
+    }
+  }
+  // Stage 1 (the loss's gradient) reads narrow's gradient (cat with zeros) and products
+  // the fuser left alone; in its regions they are column copies and one-node kernels,
+  // nothing runs through ATen per tile.
+  auto loss = sj::compile(mlp_loss, {.derivatives = 1});
+  sj::variable_list in;
+  for (const auto& t : data) in.emplace_back(t, true);
+  auto closure = loss.closure_for(in);
+  std::map<std::string, std::size_t> counts;
+  for (const auto& region : sj::closure::find_row_tiled_regions(closure->plan.stage_nodes(1), 2048))
+    for (const auto& [kind, n] : sj::closure::TiledRegionRunner(region, 256, {}).step_counts()) counts[kind] += n;
+  CHECK(counts["copy"] >= 1);
+  CHECK(counts["kernel"] >= 1);
+  CHECK(counts["product"] >= 1);
+  CHECK(counts["reduction"] >= 1);
+  CHECK(counts["aten"] == 0);
+}
+
+TEST_CASE("cross-stage rematerialisation: fewer values cross stages, the same step as libtorch") {
+  at::manual_seed(10);
+  const auto data = mlp_data(at::kDouble);
+  const Step want = torch_step(data);
+  std::size_t saved[2] = {0, 0};
+  for (bool remat : {false, true}) {
+    CAPTURE(remat);
+    for (int64_t tile : {int64_t(0), int64_t(512)}) {
+      CAPTURE(tile);
+      auto net = sj::compile(mlp, {.derivatives = 3, .tile_rows = tile, .rematerialize = remat});
+      for (int round = 0; round < 2; ++round) {
+        CAPTURE(round);
+        CHECK(step_difference(sj_step(net, data), want) <= 1e-10);
+      }
+      sj::variable_list in;
+      for (const auto& t : data) in.emplace_back(t, true);
+      auto closure = net.closure_for(in);
+      std::size_t n = 0;
+      for (std::size_t s = 0; s < closure->num_stages(); ++s) n += closure->plan.captures(s).size();
+      saved[remat] = n;
+    }
+  }
+  // The tanh derivative 1 - h^2 of each layer, among others, is recomputed where read.
+  CHECK(saved[1] + 2 <= saved[0]);
 }
 
 TEST_CASE("row-tiled regions: tall stages get regions, short ones and tile_rows = 0 none") {

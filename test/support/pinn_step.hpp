@@ -32,23 +32,43 @@ struct Step {
   std::vector<at::Tensor> grads;
 };
 
-/// The step through `net` (`mlp` compiled with three derivatives) on `data` (mlp's inputs).
-inline Step sj_step(CompiledFunction& net, const std::vector<at::Tensor>& data) {
-  variable_list in;
-  for (const auto& t : data) in.emplace_back(t, true);
-  auto u = net(in)[0];
+/// The loss of u = net(X) (`in[0]` = X, requiring grad): u_x, u_t and u_xx by `grad`
+/// with create_graph, then a Burgers-like residual.
+inline Variable step_loss(const variable_list& in, const Variable& u) {
   auto du = grad({u}, {in[0]}, {Variable(at::ones_like(u.data()))}, true)[0];  // [n, 2]
   auto u_x = narrow(du, 1, 1, 1);
   auto u_t = narrow(du, 1, 0, 1);
   auto ddu = grad({u_x}, {in[0]}, {Variable(at::ones_like(u_x.data()))}, true)[0];
   auto u_xx = narrow(ddu, 1, 1, 1);
   auto f = sub(add(u_t, mul(u, u_x)), mul(u_xx, 0.01));
-  auto loss = add(mean(mul(f, f)), mean(mul(u, u)));
+  return add(mean(mul(f, f)), mean(mul(u, u)));
+}
+
+/// The whole loss of `mlp` as one function (bench/pinn's --compile-loss form): compiled
+/// with one derivative, its inner grads are traced into stage 0.
+inline variable_list mlp_loss(const variable_list& in) { return {step_loss(in, mlp(in)[0])}; }
+
+/// The gradients of `loss` in the weights (`in[1..]`).
+inline Step step_of(const Variable& loss, const variable_list& in) {
   variable_list params(in.begin() + 1, in.end());
   auto g = grad({loss}, params);
   Step s{loss.data().to(at::kDouble).item<double>(), {}};
   for (const auto& v : g) s.grads.push_back(v.data());
   return s;
+}
+
+/// The step through `net` (`mlp` compiled with three derivatives) on `data` (mlp's inputs).
+inline Step sj_step(CompiledFunction& net, const std::vector<at::Tensor>& data) {
+  variable_list in;
+  for (const auto& t : data) in.emplace_back(t, true);
+  return step_of(step_loss(in, net(in)[0]), in);
+}
+
+/// The step through `loss` (`mlp_loss` compiled with one derivative) on `data`.
+inline Step sj_loss_step(CompiledFunction& loss, const std::vector<at::Tensor>& data) {
+  variable_list in;
+  for (const auto& t : data) in.emplace_back(t, true);
+  return step_of(loss(in)[0], in);
 }
 
 /// The same step on libtorch's autograd.

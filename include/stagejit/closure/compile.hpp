@@ -20,6 +20,7 @@
 #include <stagejit/passes/cse.hpp>
 #include <stagejit/passes/dce.hpp>
 #include <stagejit/passes/graph_fuser.hpp>
+#include <stagejit/passes/rematerialize.hpp>
 #include <stagejit/passes/peephole.hpp>
 #include <stagejit/trace/trace.hpp>
 
@@ -78,6 +79,12 @@ struct CompileOptions {
   /// PINN step (bench/pinn.md, float): staged 1.48x -> 1.80x libtorch, compile-loss
   /// 1.51x -> 1.80x.
   int64_t tile_rows = 512;
+  /// With `optimize`: later stages recompute cheap elementwise values of earlier stages
+  /// (of at least 16 384 elements) from values they read anyway instead of reading them
+  /// saved, so fewer tensors cross stages (passes/rematerialize.hpp, Note [Cross-stage
+  /// rematerialisation]). Not with `cross_stage_gradients`, whose stages hand on the
+  /// gradients of exactly the values they read.
+  bool rematerialize = true;
 };
 
 /// A function compiled by `compile`. Copies share one cache.
@@ -209,6 +216,7 @@ class CompiledFunction {
       passes::eliminate_common_subexpressions(*g);
       passes::fold_double_transposes(*g);
       passes::eliminate_dead_code(*g);
+      if (o.rematerialize && !o.cross_stage_gradients) passes::rematerialize_cross_stage(*g);
     }
     if (o.fuse) passes::fuse(*g);
     auto entry = std::make_shared<Entry>();

@@ -30,8 +30,10 @@
 ///   beta = alpha = 1 and K, M <= 64: row;
 /// - t(row) read only as the first operand of mm(t(row), row): a reduction [K, M];
 /// - sum_to_size(row [N, C], [1, C] or [C]): a reduction;
-/// - another elementwise op on row and invariant inputs: row (run per tile by ATen);
-/// - narrow and cat along the columns of rows: row (per tile by ATen);
+/// - another elementwise op on row and invariant inputs: row (run per tile as a
+///   one-node kernel of the CPU fusion backend, or by ATen when the backend has none:
+///   ATen's call costs more than the op on a tile);
+/// - narrow and cat along the columns of rows: row (copied column by column per tile);
 /// - nodes that read no row value stay outside (t(W), expand(b)); a region reads their
 ///   outputs whole, or by rows (a stride-0 expand).
 /// A stage can hold several regions, run in order: a node reading a reduction (complete
@@ -56,6 +58,7 @@
 #include <stagejit/ir/kinds.hpp>
 #include <stagejit/ops/op_def.hpp>
 #include <stagejit/ops/small_gemm.hpp>
+#include <stagejit/passes/graph_fuser.hpp>
 #include <stagejit/trace/op_attributes.hpp>
 
 #include <algorithm>
@@ -64,6 +67,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <variant>
@@ -126,7 +130,28 @@ struct ColSumStep {};
 struct RowOpStep {
   const OpDef* op = nullptr;
   Attributes attrs;
+  /// An elementwise op the fuser left alone (nothing to fuse it with): the same op as a
+  /// one-node kernel, run instead of ATen's per-tile call when the CPU backend compiles it.
+  std::optional<FusedStep> alone;
 };
+
+/// narrow or cat along the columns: each piece copies `cols` columns of input `input`
+/// from column `src_col` to the output's column `dst_col`.
+struct ColumnCopyStep {
+  struct Piece {
+    std::size_t input = 0;
+    int64_t src_col = 0, dst_col = 0, cols = 0;
+  };
+  std::vector<Piece> pieces;
+};
+
+// The kernel form of a step: its fusion group, or a lone elementwise op's one-node group.
+template <class Kind>
+const FusedStep* fused_form(const Kind& kind) {
+  if (auto* f = std::get_if<FusedStep>(&kind)) return f;
+  if (auto* r = std::get_if<RowOpStep>(&kind); r && r->alone) return &*r->alone;
+  return nullptr;
+}
 
 }  // namespace tiling
 
@@ -418,10 +443,45 @@ class TiledRegionRunner {
         step.kind = tiling::RowMmStep{true};
       } else if (op->id() == OpId::sum_to_size) {
         step.kind = tiling::ColSumStep{};
+      } else if (op->id() == OpId::narrow || op->id() == OpId::cat) {
+        // Along the columns (find_row_tiled_regions admits no other): 2-D row inputs.
+        tiling::ColumnCopyStep copy;
+        auto cols_of = [&](ir::Value* v) { return v->tensor_type()->sizes.at(1); };
+        if (op->id() == OpId::narrow) {
+          const Attributes attrs = ::stagejit::detail::to_core_attributes(op->attributes);
+          const Scalar* start = tiling::find_attr(attrs, "start");
+          const Scalar* length = tiling::find_attr(attrs, "length");
+          STAGEJIT_CHECK_AS(CompileError, start && length && std::holds_alternative<int64_t>(*start) &&
+                                              std::holds_alternative<int64_t>(*length),
+                            "tiled region: narrow %", n->outputs()[0]->id(), " without integer start and length");
+          int64_t first = std::get<int64_t>(*start);
+          if (first < 0) first += cols_of(n->inputs()[0]);
+          copy.pieces.push_back({0, first, 0, std::get<int64_t>(*length)});
+        } else {
+          int64_t offset = 0;
+          for (std::size_t k = 0; k < n->inputs().size(); ++k) {
+            copy.pieces.push_back({k, 0, offset, cols_of(n->inputs()[k])});
+            offset += cols_of(n->inputs()[k]);
+          }
+        }
+        step.kind = std::move(copy);
       } else if (op->id() == OpId::t) {
         step.kind = std::monostate{};  // a view the reduction product reads through
       } else {
-        step.kind = tiling::RowOpStep{&ops::def(op->id()), ::stagejit::detail::to_core_attributes(op->attributes)};
+        tiling::RowOpStep row_op{&ops::def(op->id()), ::stagejit::detail::to_core_attributes(op->attributes), {}};
+        const ir::TensorType* out = n->outputs()[0]->tensor_type();
+        if (passes::detail::is_fusable(*n) && out && out->sizes.size() == 2 && out->sizes[0] == region_.rows) {
+          // Per tile, ATen's call costs more than the op (from_blob, dispatch, a copy).
+          auto sub = std::make_shared<ir::Graph>();
+          ir::ValueList args;
+          for (ir::Value* v : n->inputs()) args.push_back(sub->add_input(v->type(), 0));
+          ir::Node* c = sub->append(sub->create(n->kind(), args, {n->outputs()[0]->type()}));
+          sub->register_output(c->output(), 0);
+          std::string name = "tiled " + n->describe() + " %" + std::to_string(n->outputs()[0]->id());
+          auto group = std::make_shared<const fusion::FusedGroup>(sub, name);
+          row_op.alone = tiling::FusedStep{group, sub, name, out->sizes[1]};
+        }
+        step.kind = std::move(row_op);
       }
       for (ir::Value* o : n->outputs()) add_value(o, Storage::Scratch, -1);
       for (ir::Value* v : n->inputs()) step.in.push_back(index_of_.at(v));
@@ -483,6 +543,28 @@ class TiledRegionRunner {
   /// Scratch buffers of one call ([tile_rows, C] each).
   std::size_t num_scratch_slots() const noexcept { return slot_cols_.size(); }
 
+  /// The region's steps by how a tile runs them: "kernel" (fusion groups, and lone
+  /// elementwise ops as one-node kernels), "product" (mm/addmm by rows), "reduction"
+  /// (t(X) @ Y and column sums), "copy" (narrow/cat along the columns), "aten" (ATen's
+  /// op on the tile's rows). A lone op whose kernel the CPU backend cannot build runs
+  /// through ATen although counted as a kernel here.
+  std::map<std::string, std::size_t> step_counts() const {
+    std::map<std::string, std::size_t> counts;
+    for (const Step& st : steps_) {
+      const char* kind = std::visit(
+          Overloaded{[](const std::monostate&) { return ""; },
+                     [](const tiling::FusedStep&) { return "kernel"; },
+                     [](const tiling::RowMmStep&) { return "product"; },
+                     [](const tiling::ReduceMmStep&) { return "reduction"; },
+                     [](const tiling::ColSumStep&) { return "reduction"; },
+                     [](const tiling::ColumnCopyStep&) { return "copy"; },
+                     [](const tiling::RowOpStep& op) { return op.alone ? "kernel" : "aten"; }},
+          st.kind);
+      if (*kind) ++counts[kind];
+    }
+    return counts;
+  }
+
   /// Runs the region on `inputs` (one per `region().inputs`), returning one Variable per
   /// `region().outputs`. Falls back to running the nodes one by one when the inputs do
   /// not match the recorded types (Note [Row-tiled regions]).
@@ -534,7 +616,7 @@ class TiledRegionRunner {
   struct Step {
     ir::Node* node = nullptr;
     std::variant<std::monostate, tiling::FusedStep, tiling::RowMmStep, tiling::ReduceMmStep, tiling::ColSumStep,
-                 tiling::RowOpStep>
+                 tiling::RowOpStep, tiling::ColumnCopyStep>
         kind;
     std::vector<std::size_t> in, out;  // value indices
   };
@@ -629,7 +711,8 @@ class TiledRegionRunner {
     };
     for (std::size_t i = 0; i < steps_.size(); ++i) {
       const Step& st = steps_[i];
-      if (auto* f = std::get_if<tiling::FusedStep>(&st.kind)) {
+      if (tiling::fused_form(st.kind) && kernels[i]) {
+        const tiling::FusedStep* f = tiling::fused_form(st.kind);
         dense_in[i].assign(st.in.size(), nullptr);
         for (std::size_t k = 0; k < st.in.size(); ++k) {
           const Value& val = values_[st.in[k]];
@@ -716,7 +799,27 @@ class TiledRegionRunner {
                              for (int64_t c = 0; c < C; ++c) part[std::size_t(c)] += x[r * X.s0 + c * X.s1];
                          add_to(sums[i], part);
                        },
+                       [&](const tiling::ColumnCopyStep& copy) {
+                         const View O = view(st.out[0], r0);
+                         T* out = reinterpret_cast<T*>(O.data);
+                         for (const auto& p : copy.pieces) {
+                           const View I = view(st.in[p.input], r0);
+                           const T* x = reinterpret_cast<const T*>(I.data) + p.src_col * I.s1;
+                           T* y = out + p.dst_col * O.s1;
+                           if (I.s1 == 1 && O.s1 == 1) {
+                             for (int64_t r = 0; r < rows; ++r)
+                               std::memcpy(y + r * O.s0, x + r * I.s0, std::size_t(p.cols) * sizeof(T));
+                           } else {
+                             for (int64_t r = 0; r < rows; ++r)
+                               for (int64_t c = 0; c < p.cols; ++c) y[r * O.s0 + c * O.s1] = x[r * I.s0 + c * I.s1];
+                           }
+                         }
+                       },
                        [&](const tiling::RowOpStep& op) {
+                         if (kernels[i]) {
+                           run_fused_tile<T>(st, *op.alone, *kernels[i], rows, r0, view, dense_in[i]);
+                           return;
+                         }
                          std::vector<at::Tensor> args;
                          for (std::size_t v : st.in) {
                            const Value& val = values_[v];
@@ -804,8 +907,11 @@ class TiledRegionRunner {
       std::vector<std::shared_ptr<const fusion::CpuKernel>> ks(steps_.size());
       const auto options = at::TensorOptions().dtype(region_.dtype).device(at::kCPU);
       for (std::size_t i = 0; i < steps_.size(); ++i) {
-        auto* f = std::get_if<tiling::FusedStep>(&steps_[i].kind);
+        const tiling::FusedStep* f = tiling::fused_form(steps_[i].kind);
         if (!f) continue;
+        // A lone op without a kernel runs through ATen; a fusion group without one makes
+        // the whole region run untiled.
+        const bool optional = std::holds_alternative<tiling::RowOpStep>(steps_[i].kind);
         std::vector<at::Tensor> sample;
         for (std::size_t v : steps_[i].in) {
           const Value& val = values_[v];
@@ -819,11 +925,13 @@ class TiledRegionRunner {
         try {
           plan = fusion::detail::plan_group(*f->subgraph, ir::to_string(*f->subgraph), sample, {}, f->name);
         } catch (const Error&) {
+          if (optional) continue;
           return;
         }
-        if (!plan.kernel || !plan.fallback.empty() || plan.shape != std::vector<int64_t>{tile_, f->cols}) return;
-        for (at::ScalarType dt : plan.output_dtypes)
-          if (dt != region_.dtype) return;
+        bool usable = plan.kernel && plan.fallback.empty() && plan.shape == std::vector<int64_t>{tile_, f->cols};
+        for (at::ScalarType dt : plan.output_dtypes) usable = usable && dt == region_.dtype;
+        if (!usable && optional) continue;
+        if (!usable) return;
         ks[i] = plan.kernel;
       }
       kernels_ = std::move(ks);
