@@ -162,6 +162,10 @@ int main(int argc, char** argv) {
                  "regions (0: none; a region's products are counted once per tile)")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  bool no_remat = false;
+  app.add_flag("--no-rematerialize", no_remat,
+               "Both compiled modes with CompileOptions::rematerialize off (later stages read every "
+               "earlier-stage value saved instead of recomputing cheap elementwise ones)");
   int engine_threads = sj::engine::num_threads();
   app.add_option("--engine-threads", engine_threads,
                  "stagejit's engine threads (the caller plus workers; default STAGEJIT_NUM_THREADS, else "
@@ -200,10 +204,11 @@ int main(int argc, char** argv) {
                           "stagejit eager", "libtorch eager"};
   constexpr std::size_t kModes = 4;
   std::vector<std::unique_ptr<Stepper>> steppers;
-  for (Mode m : modes) steppers.push_back(std::make_unique<Stepper>(m, data, cross_stage, tile_rows));
+  for (Mode m : modes) steppers.push_back(std::make_unique<Stepper>(m, data, cross_stage, tile_rows, !no_remat));
   if (cross_stage) std::printf("staged compiled: cross-stage gradients on\n");
-  std::printf("compiled modes: row-tiled regions %s\n",
-              tile_rows > 0 ? (std::to_string(tile_rows) + " rows per tile").c_str() : "off");
+  std::printf("compiled modes: row-tiled regions %s; cross-stage rematerialisation %s\n",
+              tile_rows > 0 ? (std::to_string(tile_rows) + " rows per tile").c_str() : "off",
+              no_remat ? "off" : "on");
 
   std::printf("Burgers PINN step (loss + gradients of %zu parameter tensors), network 2-20x8-1 tanh, "
               "N_u %lld, N_f %lld, %s; median of %d rounds after %d warm-up rounds\n",

@@ -305,12 +305,17 @@ class Stepper {
   /// `cross_stage_gradients`: the Compiled mode's `CompileOptions::cross_stage_gradients`
   /// (bench/pinn --cross-stage-gradients measures what it brings); `tile_rows`: both
   /// compiled modes' `CompileOptions::tile_rows` (0: no row-tiled regions; bench/pinn
-  /// --tile-rows).
+  /// --tile-rows); `rematerialize`: both compiled modes' `CompileOptions::rematerialize`
+  /// (bench/pinn --no-rematerialize).
   Stepper(Mode mode, const TrainingData& data, bool cross_stage_gradients = false,
-          int64_t tile_rows = sj::CompileOptions{}.tile_rows)
+          int64_t tile_rows = sj::CompileOptions{}.tile_rows,
+          bool rematerialize = sj::CompileOptions{}.rematerialize)
       : mode_(mode), data_(data),
-        net_(sj::compile(&Stepper::net_fn, {.derivatives = 3, .cross_stage_gradients = cross_stage_gradients, .tile_rows = tile_rows})),
-        loss_(sj::compile(&Stepper::loss_fn, {.derivatives = 1, .tile_rows = tile_rows})) {}
+        net_(sj::compile(&Stepper::net_fn, {.derivatives = 3,
+                                            .cross_stage_gradients = cross_stage_gradients,
+                                            .tile_rows = tile_rows,
+                                            .rematerialize = rematerialize})),
+        loss_(sj::compile(&Stepper::loss_fn, {.derivatives = 1, .tile_rows = tile_rows, .rematerialize = rematerialize})) {}
 
   Mode mode() const { return mode_; }
 
