@@ -267,7 +267,8 @@ TEST_SUITE("ir") {
   return (%h | %e);
 })";
     // Stage 1 reads %h, %d, %r and %k. %d = 1 - h * h is recomputed from %h (h * h
-    // with it); %r needs %x, which stage 1 does not read; %k reads a random value.
+    // with it); %r needs %x, which stage 1 does not read; %k reads %n, made by a random
+    // op (not elementwise, never copied).
     auto g = ir::parse(in);
     ir::lint(*g);
     CHECK(passes::rematerialize_cross_stage(*g, 1) == 1);
@@ -294,6 +295,23 @@ TEST_SUITE("ir") {
     auto small = ir::parse(in);
     CHECK(passes::rematerialize_cross_stage(*small) == 0);
     CHECK(ir::to_string(*small) == ir::to_string(*ir::parse(in)));
+    // A value the later stage returns, or that an in-place op of that stage reads, is
+    // not copied.
+    for (const char* user : {"  %o : Float(2) = mul_(%d, %g);\n  return (%h | %o);\n",
+                             "  %o : Float(2) = mul(%d, %g);\n  return (%h | %o, %d);\n"}) {
+      CAPTURE(user);
+      auto kept = ir::parse(std::string("graph(%x : Float(2),\n      -------- stage 1 --------\n"
+                                        "      %g : Float(2)) {\n"
+                                        "  %h : Float(2) = tanh(%x);\n"
+                                        "  %s : Float(2) = mul(%h, %h);\n"
+                                        "  %d : Float(2) = rsub[other=1.0](%s);\n"
+                                        "  ---------------- stage 1 ----------------\n"
+                                        "  %c : Float(2) = mul(%h, %g);\n") +
+                            user + "}\n");
+      const std::string before = ir::to_string(*kept);
+      CHECK(passes::rematerialize_cross_stage(*kept, 1) == 0);
+      CHECK(ir::to_string(*kept) == before);
+    }
     // Over three stages: each later stage on its own; a returned value stays returned.
     auto three = ir::parse(R"(graph(%x : Float(3),
       -------- stage 1 --------

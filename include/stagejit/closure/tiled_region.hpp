@@ -33,7 +33,8 @@
 /// - another elementwise op on row and invariant inputs: row (run per tile as a
 ///   one-node kernel of the CPU fusion backend, or by ATen when the backend has none:
 ///   ATen's call costs more than the op on a tile);
-/// - narrow and cat along the columns of rows: row (copied column by column per tile);
+/// - narrow and cat along the columns of rows: row (per tile, each input's columns
+///   copied into the output's, row by row);
 /// - nodes that read no row value stay outside (t(W), expand(b)); a region reads their
 ///   outputs whole, or by rows (a stride-0 expand).
 /// A stage can hold several regions, run in order: a node reading a reduction (complete
@@ -44,10 +45,11 @@
 /// cannot read make the region run its nodes one by one as the untiled closure would
 /// (`TiledRegionRunner::run_untiled`: same results, same errors).
 ///
-/// Results equal the untiled stage up to summation order: products of a tile are the
-/// same LIBXSMM kernels on fewer rows; a reduction computes each tile's part in the
-/// tensors' dtype (a column sum as a product with a row of ones) and adds the parts in
-/// double, which is at least as accurate as one pass over all rows.
+/// Results equal the untiled stage up to summation order and rounding: products of a
+/// tile are the same LIBXSMM kernels on fewer rows; a reduction computes each tile's
+/// part in the tensors' dtype (a column sum as a product with a row of ones) and adds
+/// the parts in double, which is at least as accurate as one pass over all rows; a lone
+/// elementwise op runs the fusion backend's formula (its tanh, exp) instead of ATen's.
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
@@ -290,7 +292,7 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
       }
       case OpId::narrow:
       case OpId::cat: {
-        // Along the columns: row local (run per tile by ATen, into a dense buffer).
+        // Along the columns: row local (a ColumnCopyStep per tile).
         const Scalar* dim = tiling::find_attr(attrs, "dim");
         auto* d = dim ? std::get_if<int64_t>(dim) : nullptr;
         if (!d || (*d != 1 && *d != -1) || !is_row_type(out)) return RowLayout::Bad;
@@ -454,9 +456,12 @@ class TiledRegionRunner {
           STAGEJIT_CHECK_AS(CompileError, start && length && std::holds_alternative<int64_t>(*start) &&
                                               std::holds_alternative<int64_t>(*length),
                             "tiled region: narrow %", n->outputs()[0]->id(), " without integer start and length");
+          const int64_t cols = cols_of(n->inputs()[0]), len = std::get<int64_t>(*length);
           int64_t first = std::get<int64_t>(*start);
-          if (first < 0) first += cols_of(n->inputs()[0]);
-          copy.pieces.push_back({0, first, 0, std::get<int64_t>(*length)});
+          if (first < 0) first += cols;
+          STAGEJIT_CHECK_AS(CompileError, first >= 0 && len >= 0 && first + len <= cols, "tiled region: narrow %",
+                            n->outputs()[0]->id(), " takes columns [", first, ", ", first + len, ") of ", cols);
+          copy.pieces.push_back({0, first, 0, len});
         } else {
           int64_t offset = 0;
           for (std::size_t k = 0; k < n->inputs().size(); ++k) {
@@ -470,7 +475,10 @@ class TiledRegionRunner {
       } else {
         tiling::RowOpStep row_op{&ops::def(op->id()), ::stagejit::detail::to_core_attributes(op->attributes), {}};
         const ir::TensorType* out = n->outputs()[0]->tensor_type();
-        if (passes::detail::is_fusable(*n) && out && out->sizes.size() == 2 && out->sizes[0] == region_.rows) {
+        bool same_dtype = out && out->dtype == region_.dtype;
+        for (ir::Value* v : n->inputs())
+          same_dtype = same_dtype && v->tensor_type() && v->tensor_type()->dtype == region_.dtype;
+        if (passes::detail::is_fusable(*n) && same_dtype && out->sizes.size() == 2 && out->sizes[0] == region_.rows) {
           // Per tile, ATen's call costs more than the op (from_blob, dispatch, a copy).
           auto sub = std::make_shared<ir::Graph>();
           ir::ValueList args;
@@ -546,11 +554,13 @@ class TiledRegionRunner {
   /// The region's steps by how a tile runs them: "kernel" (fusion groups, and lone
   /// elementwise ops as one-node kernels), "product" (mm/addmm by rows), "reduction"
   /// (t(X) @ Y and column sums), "copy" (narrow/cat along the columns), "aten" (ATen's
-  /// op on the tile's rows). A lone op whose kernel the CPU backend cannot build runs
-  /// through ATen although counted as a kernel here.
+  /// op on the tile's rows). Before the first tiled `run` a lone op counts as a kernel
+  /// when it has a kernel form; after it (on the same thread, or one synchronised with
+  /// it), as a kernel only when the CPU backend built one.
   std::map<std::string, std::size_t> step_counts() const {
     std::map<std::string, std::size_t> counts;
-    for (const Step& st : steps_) {
+    const bool planned = kernels_.size() == steps_.size();
+    for (std::size_t i = 0; i < steps_.size(); ++i) {
       const char* kind = std::visit(
           Overloaded{[](const std::monostate&) { return ""; },
                      [](const tiling::FusedStep&) { return "kernel"; },
@@ -558,8 +568,10 @@ class TiledRegionRunner {
                      [](const tiling::ReduceMmStep&) { return "reduction"; },
                      [](const tiling::ColSumStep&) { return "reduction"; },
                      [](const tiling::ColumnCopyStep&) { return "copy"; },
-                     [](const tiling::RowOpStep& op) { return op.alone ? "kernel" : "aten"; }},
-          st.kind);
+                     [&](const tiling::RowOpStep& op) {
+                       return op.alone && (!planned || kernels_[i]) ? "kernel" : "aten";
+                     }},
+          steps_[i].kind);
       if (*kind) ++counts[kind];
     }
     return counts;

@@ -18,9 +18,11 @@
 /// - a Constant (copied too), or
 /// - the output of another cheap node whose inputs qualify in turn (up to 8 nodes deep:
 ///   `1 - h * h` when stage t reads h and the saved `1 - h * h` but not `h * h`).
-/// The copies are placed before stage t's first node and stage t's uses of v read the
-/// copy. No value is added to what stage t reads and v is removed, and when no other
-/// stage reads v, its own stage stops saving it (DCE removes it when nothing reads it).
+/// Not copied: a value stage t returns (it crosses anyway) or that a stage-t node with
+/// side effects reads (an in-place op must write the value later stages see). The
+/// copies are placed before stage t's first node and stage t's uses of v read the copy.
+/// No value is added to what stage t reads and v is removed, and when no other stage
+/// reads v, its own stage stops saving it (DCE removes it when nothing reads it).
 /// The cost is the recomputation, a few fused elementwise ops per element in stage t's
 /// kernels, against a write and a read of v. This is a greedy form of the
 /// recompute-over-save choice of AOTAutograd's min-cut partitioner (functorch's
@@ -36,6 +38,7 @@
 #include <stagejit/ir/kinds.hpp>
 #include <stagejit/passes/dce.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -85,6 +88,16 @@ inline std::size_t rematerialize_cross_stage(ir::Graph& g, int64_t min_elements 
         if (u.user != g.return_node() && u.user->stage() == t) return true;
       return false;
     };
+    // A value stage t returns keeps crossing whatever its readers do; a reader that
+    // writes in place must keep writing the value the later stages see.
+    auto worth_copying = [&](const ir::Value* v) {
+      for (const ir::Use& u : v->uses()) {
+        if (u.user == g.return_node() ? g.output_stage(u.offset) == t
+                                       : u.user->stage() == t && u.user->has_side_effects())
+          return false;
+      }
+      return true;
+    };
     // What stage t can read without reading more: earlier values it reads, and copies.
     std::unordered_map<const ir::Value*, ir::Value*> available;
     for (ir::Value* v : g.inputs())
@@ -94,8 +107,15 @@ inline std::size_t rematerialize_cross_stage(ir::Graph& g, int64_t min_elements 
       for (ir::Value* o : n->outputs())
         if (read_by_t(o)) available[o] = o;
     }
-    const std::size_t saved_stage = g.current_stage();
+    struct StageGuard {  // the graph's current stage back as it was, also on a throw
+      ir::Graph& g;
+      std::size_t saved;
+      ~StageGuard() { g.set_current_stage(saved); }
+    } guard{g, g.current_stage()};
     g.set_current_stage(t);
+    // Values found not computable in stage t, by the depth left when they failed (a
+    // failure with more depth left covers any with less).
+    std::unordered_map<const ir::Value*, int> failed;
     // `v` in stage t: itself when t reads it, else a copy of its node made from copies
     // of its inputs (up to `kMaxDepth` nodes deep); null when some leaf is not available.
     std::function<ir::Value*(ir::Value*, int)> in_stage_t = [&](ir::Value* v, int depth) -> ir::Value* {
@@ -108,10 +128,14 @@ inline std::size_t rematerialize_cross_stage(ir::Graph& g, int64_t min_elements 
         return available[v] = c->output();
       }
       if (depth == 0 || n->stage() >= t || !detail::rematerializable(*n, min_elements)) return nullptr;
+      if (auto f = failed.find(v); f != failed.end() && f->second >= depth) return nullptr;
       std::vector<ir::Value*> args;
       for (ir::Value* in : n->inputs()) {
         ir::Value* a = in_stage_t(in, depth - 1);
-        if (!a) return nullptr;
+        if (!a) {
+          failed[v] = std::max(failed[v], depth);
+          return nullptr;
+        }
         args.push_back(a);
       }
       ir::Node* copy = g.create(n->kind(), args, {v->type()});
@@ -122,7 +146,8 @@ inline std::size_t rematerialize_cross_stage(ir::Graph& g, int64_t min_elements 
     };
     for (ir::Node* n : nodes) {
       if (n->stage() >= t) break;
-      if (!detail::rematerializable(*n, min_elements) || !read_by_t(n->output(0))) continue;
+      if (!detail::rematerializable(*n, min_elements) || !read_by_t(n->output(0)) || !worth_copying(n->output(0)))
+        continue;
       ir::Value* out = n->output(0);
       available.erase(out);  // read by t, so listed as itself: make the copy instead
       ir::Value* copy = in_stage_t(out, kMaxDepth);
@@ -135,7 +160,6 @@ inline std::size_t rematerialize_cross_stage(ir::Graph& g, int64_t min_elements 
         if (u.user != g.return_node() && u.user->stage() == t) u.user->replace_input(u.offset, copy);
       ++replaced;
     }
-    g.set_current_stage(saved_stage);
   }
   if (copies) eliminate_dead_code(g);  // originals nothing reads now; copies a failed chain left
   return replaced;
