@@ -2,6 +2,9 @@
 // forward+backward (gradients of a, b, c for a grad output of ones), through
 //   - stagejit compile() with fusion (one generated kernel per fusion group and stage),
 //   - stagejit compile() without fusion (the same closures, one ATen kernel per op),
+//   - the step compiled in one stage: a function that computes y and calls sj::grad on it
+//     inside, compiled with {.derivatives = 0}; the forward and its backward are one
+//     trace, so the fuser makes one kernel of both (one pass over the 8 arrays),
 //   - stagejit eager autograd,
 //   - libtorch eager (the reference of the ratios), with glibc's malloc as it comes
 //     (every 64 MiB tensor is a fresh mmap: page faults on first touch) and on the level
@@ -243,9 +246,23 @@ int main(int argc, char** argv) {
   };
   auto fused = sj::compile(fn, {.derivatives = 1, .fuse = true});
   auto unfused = sj::compile(fn, {.derivatives = 1, .fuse = false});
+  // The forward and its gradients traced together: in = {a, b, c, gy}, out = {y, da, db, dc}.
+  auto one_stage = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+    const sj::variable_list x = {in[0], in[1], in[2]};
+    sj::Variable y = model(in[0], in[1], in[2]);
+    sj::variable_list out = sj::grad({y}, x, {in[3]});
+    out.insert(out.begin(), y);
+    return out;
+  }, {.derivatives = 0, .fuse = true});
 
   const sj::variable_list in = {sj::Variable(a, true), sj::Variable(b, true), sj::Variable(c, true)};
   const sj::Variable g(gy);
+  const sj::variable_list in_step = {in[0], in[1], in[2], g};
+  // {da, db, dc, y}, the order of sj_step
+  auto one_stage_step = [&] {
+    sj::variable_list out = one_stage(in_step);
+    return sj::variable_list{out[1], out[2], out[3], out[0]};
+  };
   auto sj_step = [&](sj::CompiledFunction& f) {
     auto y = f(in);
     auto grads = sj::grad(y, in, {g});
@@ -314,6 +331,8 @@ int main(int argc, char** argv) {
   const double bwd_torch = median_ms([&] { torch_step(); }, reps);
   const double bwd_torch_level = median_ms([&] { torch_step_level(); }, reps);
   const double bwd_fused = median_ms([&] { sj_step(fused); }, reps);
+  const double compile_one_stage_ms = sj::bench::once_ms([&] { one_stage_step(); });
+  const double bwd_one_stage = median_ms([&] { one_stage_step(); }, reps);
   const double bwd_unfused = median_ms([&] { sj_step(unfused); }, reps);
   const double bwd_eager = median_ms([&] {
     auto y = model(in[0], in[1], in[2]);
@@ -349,7 +368,11 @@ int main(int argc, char** argv) {
     auto want = torch_step();
     auto got = sj_step(fused);
     const int order[4] = {1, 2, 3, 0};  // hand outputs: y, da, db, dc
-    for (int i = 0; i < 4; ++i) bwd_diff = std::max(bwd_diff, max_rel_diff(got[i].data(), want[i]));
+    auto got_one = one_stage_step();
+    for (int i = 0; i < 4; ++i) {
+      bwd_diff = std::max(bwd_diff, max_rel_diff(got[i].data(), want[i]));
+      bwd_diff = std::max(bwd_diff, max_rel_diff(got_one[i].data(), want[i]));
+    }
     if (!cuda) {
       auto single = hand_single();
       auto two = hand_two();
@@ -386,9 +409,12 @@ int main(int argc, char** argv) {
       if (group->subgraph->inputs().size() == 3) kernel_fwd = median_ms([&] { runner.run(args); }, reps);
     }
 
-  int groups = 0;
+  int groups = 0, one_stage_groups = 0;
   for (auto* node : fused.graph_for(in)->nodes()) groups += node->is<sj::ir::FusionGroup>();
-  if (print_graph) std::printf("%s\n", sj::ir::to_string(*fused.graph_for(in)).c_str());
+  for (auto* node : one_stage.graph_for(in_step)->nodes()) one_stage_groups += node->is<sj::ir::FusionGroup>();
+  if (print_graph)
+    std::printf("%s\none stage:\n%s\n", sj::ir::to_string(*fused.graph_for(in)).c_str(),
+                sj::ir::to_string(*one_stage.graph_for(in_step)).c_str());
 
   const char* blas = std::getenv("OPENBLAS_NUM_THREADS");
   std::printf("bench/fusion: y = tanh(a*b + c) * sigmoid(a), %lld floats on %s, ATen threads %d, "
@@ -397,8 +423,9 @@ int main(int argc, char** argv) {
               blas ? blas : "unset", reps);
   std::printf("  load average before %s, after %s\n", load_before.c_str(), load_average().c_str());
   std::printf("  first call (trace + compile kernels, or disk-cache hits): forward %.0f ms, "
-              "forward+backward %.0f ms; %d fusion groups over both stages\n",
-              compile_fwd_ms, compile_bwd_ms, groups);
+              "forward+backward %.0f ms (%d fusion groups over both stages), one stage %.0f ms (%d fusion "
+              "group%s)\n", compile_fwd_ms, compile_bwd_ms, groups, compile_one_stage_ms, one_stage_groups,
+              one_stage_groups == 1 ? "" : "s");
   std::printf(" forward                                      time      vs libtorch\n");
   row("libtorch eager", fwd_torch, fwd_torch);
   row("libtorch eager, level field", fwd_torch_level, fwd_torch);
@@ -412,6 +439,7 @@ int main(int argc, char** argv) {
   row("stagejit eager", bwd_eager, bwd_torch);
   row("stagejit compiled, unfused", bwd_unfused, bwd_torch);
   row("stagejit compiled, fused", bwd_fused, bwd_torch);
+  row("stagejit compiled, fused, one stage", bwd_one_stage, bwd_torch);
   if (!cuda) {
     row("hand-written, one pass", bwd_hand_single, bwd_torch);
     row("hand-written, the stages' two passes", bwd_hand_two, bwd_torch);
@@ -426,17 +454,21 @@ int main(int argc, char** argv) {
     std::printf("  page faults per forward+backward: libtorch %.0f, libtorch on the level field %.0f, "
                 "fused %.0f\n", pf_torch, pf_torch_level, pf_fused);
     std::printf("  level field (libtorch reuses freed memory as the compiled stages do): fused forward "
-                "%.2fx, forward+backward %.2fx libtorch\n", fwd_torch_level / fwd_fused, bwd_torch_level / bwd_fused);
-    std::printf("  share of the bandwidth limit: fused forward %.0f%%, forward+backward %.0f%%; hand-written "
-                "one pass %.0f%%, two passes %.0f%%\n", 100 * limit_fwd / fwd_fused, 100 * limit_bwd / bwd_fused,
-                100 * limit_bwd / bwd_hand_single, 100 * limit_bwd / bwd_hand_two);
+                "%.2fx, forward+backward %.2fx libtorch (one stage %.2fx)\n", fwd_torch_level / fwd_fused,
+                bwd_torch_level / bwd_fused, bwd_torch_level / bwd_one_stage);
+    std::printf("  share of the bandwidth limit: fused forward %.0f%%, forward+backward %.0f%% (one stage "
+                "%.0f%%); hand-written one pass %.0f%%, two passes %.0f%%\n", 100 * limit_fwd / fwd_fused,
+                100 * limit_bwd / bwd_fused, 100 * limit_bwd / bwd_one_stage, 100 * limit_bwd / bwd_hand_single,
+                100 * limit_bwd / bwd_hand_two);
     std::printf("  the most any kernel moving the 8 arrays at copy bandwidth could show on the level field: "
                 "%.2fx libtorch (libtorch on the level field / bandwidth limit)\n", bwd_torch_level / limit_bwd);
     const bool level_ok = pf_torch_level < 1;
+    auto met = [](bool ok) { return ok ? "met" : "NOT met"; };
     std::printf("  targets: fused forward >= 4x libtorch (%s); fused forward+backward >= 6x libtorch on the "
-                "level field (%s%s) and >= 60%% of the bandwidth limit (%s)\n",
-                fwd_torch / fwd_fused >= 4 ? "met" : "NOT met", bwd_torch_level / bwd_fused >= 6 ? "met" : "NOT met",
-                level_ok ? "" : ", but libtorch page-faulted there", limit_bwd / bwd_fused >= 0.6 ? "met" : "NOT met");
+                "level field%s: two stages %s, one stage %s; >= 60%% of the bandwidth limit: two stages %s, one "
+                "stage %s\n", met(fwd_torch / fwd_fused >= 4), level_ok ? "" : " (but libtorch page-faulted there)",
+                met(bwd_torch_level / bwd_fused >= 6), met(bwd_torch_level / bwd_one_stage >= 6),
+                met(limit_bwd / bwd_fused >= 0.6), met(limit_bwd / bwd_one_stage >= 0.6));
     return correct ? 0 : 3;
   }
   const double bytes_fwd = 4.0 * double(n) * sizeof(float);

@@ -74,7 +74,7 @@ struct Options {
   int64_t n_f = 10000;
   int64_t n_u = 100;
   int report_every = 100;
-  std::string metrics, plot;
+  std::string metrics, plot, save_weights;
   bool paper = false, compare = false, eager = false, libtorch = false, compile_loss = false;
 };
 
@@ -184,6 +184,13 @@ class Trainer {
 
   const std::vector<Report>& reports() const { return reports_; }
   const Params& params() const { return p_; }
+  /// The trained weights in double: L-BFGS's iterate (the accepted point, before its
+  /// rounding to --dtype) once L-BFGS ran, else the network's weights.
+  Params weights_double() const {
+    Params w;
+    for (const auto& t : iterate_.empty() ? p_ : iterate_) w.push_back(t.detach().to(at::kDouble).clone());
+    return w;
+  }
   Mode mode() const { return mode_; }
   int adam_iterations() const { return adam_done_; }
   int lbfgs_done() const { return lbfgs_done_; }
@@ -423,6 +430,9 @@ int main(int argc, char** argv) {
   app.add_option("--metrics", o.metrics, "Write a CSV: [mode,]iteration,phase,evaluations,loss,"
                  "rel_l2_error,seconds, one row per report");
   app.add_option("--plot", o.plot, "Write a PNG: exact, predicted and |error| of u(t, x) as heatmaps");
+  app.add_option("--save-weights", o.save_weights, "Write the trained weights W1, b1, ..., W9, b9 in "
+                 "double (torch::save of a tensor list; L-BFGS's iterate once it ran) of the first "
+                 "mode; bench/pinn_resolution reads them");
   auto* paper = app.add_flag("--paper", o.paper, "The paper's budget: no Adam, L-BFGS up to 50 000 "
                              "iterations (history 50)");
   paper->excludes(adam)->excludes(lbfgs);
@@ -451,6 +461,12 @@ int main(int argc, char** argv) {
   std::FILE* plot = nullptr;
   if (!o.metrics.empty() && !(metrics = open_output(o.metrics, "metrics", "w"))) return 2;
   if (!o.plot.empty() && !(plot = open_output(o.plot, "plot", "wb"))) return 2;
+  // torch::save opens the file itself at the end; a bad path fails here, before training.
+  if (!o.save_weights.empty()) {
+    std::FILE* f = open_output(o.save_weights, "weights", "wb");
+    if (f == nullptr) return 2;
+    std::fclose(f);
+  }
 
   try {
     const at::ScalarType dtype = o.dtype == "double" ? at::kDouble : at::kFloat;
@@ -500,6 +516,10 @@ int main(int argc, char** argv) {
       if (std::fclose(plot) != 0) throw std::runtime_error("cannot write plot file " + o.plot);
       plot = nullptr;
       std::printf("plot (%s run): %s\n", trainers.front()->name(), o.plot.c_str());
+    }
+    if (!o.save_weights.empty()) {
+      torch::save(trainers.front()->weights_double(), o.save_weights);
+      std::printf("weights (%s run, double): %s\n", trainers.front()->name(), o.save_weights.c_str());
     }
   } catch (const sj::Error& e) {
     std::fprintf(stderr, "stagejit error: %s\n", e.what());

@@ -378,6 +378,47 @@ TEST_SUITE("closure") {
       CHECK(max_abs_diff(gg1[i].data(), gg2[i].data()) <= 1e-12);
     }
   }
+
+  TEST_CASE("fusion inside compile(): a forward and its sj::grad traced in one stage are one kernel") {
+    // bench/fusion's one-stage step: y and dy/d(a, b, c) for a grad output given as an
+    // input, compiled with no derivative. Forward and backward are one trace, so the fuser
+    // makes one group reading a, b, c, gy and writing y and the three gradients.
+    auto step = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      const sj::variable_list x = {in[0], in[1], in[2]};
+      sj::Variable y = sj::tanh(in[0] * in[1] + in[2]) * sj::sigmoid(in[0]);
+      sj::variable_list out = sj::grad({y}, x, {in[3]});
+      out.insert(out.begin(), y);
+      return out;
+    }, {.derivatives = 0, .fuse = true});
+    at::manual_seed(22);
+    const std::vector<at::Tensor> data = {rand_d({4096}), rand_d({4096}), rand_d({4096}), rand_d({4096})};
+    const sj::variable_list in = {sj::Variable(data[0], true), sj::Variable(data[1], true),
+                                  sj::Variable(data[2], true), sj::Variable(data[3])};
+    auto g = step.graph_for(in);
+    CHECK_NOTHROW(sj::ir::lint(*g));
+    CHECK(g->num_stages() == 1);
+    int groups = 0, others = 0;
+    for (auto* n : g->nodes()) (n->is<sj::ir::FusionGroup>() ? groups : others) += 1;
+    CHECK(groups == 1);
+    CHECK(others == 0);
+    for (auto* n : g->nodes())
+      if (auto* fg = n->get_if<sj::ir::FusionGroup>()) {
+        CHECK(fg->subgraph->inputs().size() == 4);
+        CHECK(fg->subgraph->outputs().size() == 4);
+      }
+
+    const sj::variable_list out = step(in);
+    REQUIRE(out.size() == 4);
+    std::vector<torch::Tensor> leaves;
+    for (int i = 0; i < 3; ++i) leaves.push_back(data[i].detach().requires_grad_(true));
+    const torch::Tensor y = torch::tanh(leaves[0] * leaves[1] + leaves[2]) * torch::sigmoid(leaves[0]);
+    const auto want = torch::autograd::grad({y}, leaves, {data[3]});
+    CHECK(max_abs_diff(out[0].data(), y.detach()) <= 1e-12);
+    for (int i = 0; i < 3; ++i) {
+      CAPTURE(i);
+      CHECK(max_abs_diff(out[i + 1].data(), want[i]) <= 1e-12);
+    }
+  }
 }
 
 TEST_SUITE("closure") {
