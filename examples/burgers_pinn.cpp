@@ -21,7 +21,6 @@
 #include <CLI/CLI.hpp>
 #include <stb_image_write.h>
 
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,6 +29,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <memory>
@@ -376,19 +376,6 @@ CLI::Validator number_check(bool allow_zero) {
       allow_zero ? ">= 0" : "> 0");
 }
 
-/// Sets OpenBLAS's own thread count (Debian's libtorch calls the system BLAS, OpenBLAS,
-/// whose threads at::set_num_threads does not control), if OpenBLAS is the BLAS loaded.
-/// Why it matters: OpenBLAS's idle threads spin; when stagejit's engine runs a backward
-/// on its worker thread while the caller waits, a 2-core machine is oversubscribed and
-/// every product slows many times over. Returns false when OpenBLAS is not loaded.
-bool set_blas_threads(int n) {
-  using SetThreads = void (*)(int);
-  auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-  if (set == nullptr) return false;
-  set(n);
-  return true;
-}
-
 /// Opens `path` for writing now, so that a bad path fails before training; nullptr and
 /// a message when it cannot be opened.
 std::FILE* open_output(const std::string& path, const char* what, const char* mode) {
@@ -454,20 +441,24 @@ int main(int argc, char** argv) {
   bool blas_set = false;
   if (o.threads > 0) {
     at::set_num_threads(o.threads);
-    blas_set = set_blas_threads(o.threads);
+    blas_set = stagejit_examples::set_blas_threads(o.threads);
+  }
+
+  // torch::save opens the file itself at the end; a bad path fails here, before
+  // training, without truncating a file already there (nor leaving a new empty one).
+  if (!o.save_weights.empty()) {
+    std::error_code ec;
+    const bool existed = std::filesystem::exists(o.save_weights, ec);
+    std::FILE* f = open_output(o.save_weights, "weights", "ab");
+    if (f == nullptr) return 2;
+    std::fclose(f);
+    if (!existed) std::filesystem::remove(o.save_weights, ec);
   }
 
   std::FILE* metrics = nullptr;
   std::FILE* plot = nullptr;
   if (!o.metrics.empty() && !(metrics = open_output(o.metrics, "metrics", "w"))) return 2;
   if (!o.plot.empty() && !(plot = open_output(o.plot, "plot", "wb"))) return 2;
-  // torch::save opens the file itself at the end; a bad path fails here, before training.
-  if (!o.save_weights.empty()) {
-    std::FILE* f = open_output(o.save_weights, "weights", "wb");
-    if (f == nullptr) return 2;
-    std::fclose(f);
-  }
-
   try {
     const at::ScalarType dtype = o.dtype == "double" ? at::kDouble : at::kFloat;
     auto t0 = Clock::now();

@@ -1,6 +1,9 @@
 #pragma once
-// Command-line parsing shared by the examples and benches (CLI11).
+// Command-line parsing shared by the examples and benches (CLI11), and OpenBLAS's
+// thread count.
 #include <CLI/CLI.hpp>
+
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -25,6 +28,20 @@ inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** arg
     return 2;
   }
   return std::nullopt;
+}
+
+/// Sets OpenBLAS's own thread count (Debian's libtorch calls the system BLAS, OpenBLAS,
+/// whose threads at::set_num_threads does not control), if OpenBLAS is the BLAS loaded.
+/// Why it matters: OpenBLAS's idle threads spin; when stagejit's engine runs a backward
+/// on its worker thread while the caller waits, a 2-core machine is oversubscribed and
+/// every product slows many times over (bench/pinn.md). Returns false when OpenBLAS is
+/// not loaded.
+inline bool set_blas_threads(int n) {
+  using SetThreads = void (*)(int);
+  auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (set == nullptr) return false;
+  set(n);
+  return true;
 }
 
 }  // namespace stagejit_examples
