@@ -12,7 +12,8 @@
 // (--compile-loss), stagejit's eager autograd (--eager), libtorch's autograd (--libtorch);
 // --compare trains them interleaved. The error is measured against the exact solution
 // (Cole-Hopf, computed by quadrature here) on the paper's 100 x 256 grid; --plot draws
-// exact, predicted and |error| as heatmaps. examples/pinn/burgers.hpp holds the problem.
+// exact, predicted and |error| as heatmaps; --save-weights writes the trained weights
+// (bench/pinn_resolution reads them). examples/pinn/burgers.hpp holds the problem.
 
 #include "cli.hpp"
 #include "pinn/burgers.hpp"
@@ -459,6 +460,7 @@ int main(int argc, char** argv) {
   std::FILE* plot = nullptr;
   if (!o.metrics.empty() && !(metrics = open_output(o.metrics, "metrics", "w"))) return 2;
   if (!o.plot.empty() && !(plot = open_output(o.plot, "plot", "wb"))) return 2;
+
   try {
     const at::ScalarType dtype = o.dtype == "double" ? at::kDouble : at::kFloat;
     auto t0 = Clock::now();
