@@ -23,11 +23,22 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -57,28 +68,237 @@ struct ProcessGroupOptions {
   std::string device_hostname;
 };
 
+/// Largest world size `WORLD_SIZE` or `ProcessGroupOptions::world_size` may ask for.
+inline constexpr int kMaxWorldSize = 1 << 20;
+/// Largest `ProcessGroupOptions::timeout` (a year: deadlines stay far from overflow).
+inline constexpr std::chrono::milliseconds kMaxTimeout{365LL * 24 * 3600 * 1000};
+
+namespace detail {
+
+/// The integer in environment variable `name`, which must lie in [lo, hi]; `fallback`
+/// when it is unset or empty. Throws `DistributedError` naming the variable and its text
+/// for anything else: not an integer (signs and digits only, no blanks), or out of range
+/// (no wrap-around: RANK=4294967296 is refused, not read as 0).
+inline int env_integer(const char* name, int fallback, long long lo, long long hi, const char* range) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  const char* digits = (*v == '+' || *v == '-') ? v + 1 : v;
+  char* end = nullptr;
+  errno = 0;
+  const long long x = std::strtoll(v, &end, 10);
+  STAGEJIT_CHECK_AS(DistributedError, *digits >= '0' && *digits <= '9' && end != nullptr && *end == '\0',
+                    "distributed: environment variable ", name, "='", v, "' is not an integer");
+  STAGEJIT_CHECK_AS(DistributedError, errno != ERANGE && x >= lo && x <= hi, "distributed: environment variable ",
+                    name, "='", v, "' is out of range: ", range);
+  return static_cast<int>(x);
+}
+
+}  // namespace detail
+
 /// Fills the unset fields of `o` from `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and
 /// `MASTER_PORT` (defaults: rank 0, world size 1, 127.0.0.1, 29500). Throws
-/// `DistributedError` for a variable that is not an integer.
+/// `DistributedError` naming the variable and its text for a variable that is not an
+/// integer or lies out of its range: `RANK` in [0, world size), `WORLD_SIZE` in
+/// [1, kMaxWorldSize], `MASTER_PORT` in [1, 65535]. Nothing wraps around.
 inline ProcessGroupOptions options_from_env(ProcessGroupOptions o = {}) {
-  auto integer = [](const char* name, int fallback) {
-    const char* v = std::getenv(name);
-    if (v == nullptr || *v == '\0') return fallback;
-    char* end = nullptr;
-    long x = std::strtol(v, &end, 10);
-    STAGEJIT_CHECK_AS(DistributedError, end != v && *end == '\0', "environment variable ", name,
-                      "='", v, "' is not an integer");
-    return static_cast<int>(x);
-  };
-  if (o.rank < 0) o.rank = integer("RANK", 0);
-  if (o.world_size < 0) o.world_size = integer("WORLD_SIZE", 1);
+  const bool rank_from_env = o.rank < 0 && std::getenv("RANK") && *std::getenv("RANK");
+  if (o.world_size < 0)
+    o.world_size = detail::env_integer("WORLD_SIZE", 1, 1, kMaxWorldSize,
+                                       ("a world size must be in [1, " + std::to_string(kMaxWorldSize) + "]").c_str());
+  if (o.rank < 0) o.rank = detail::env_integer("RANK", 0, 0, INT32_MAX, "a rank must be in [0, WORLD_SIZE)");
+  if (rank_from_env && o.world_size >= 1) {
+    const char* ws = std::getenv("WORLD_SIZE");
+    STAGEJIT_CHECK_AS(DistributedError, o.rank < o.world_size, "distributed: environment variable RANK='",
+                      std::getenv("RANK"), "' is out of range: a rank must be in [0, ", o.world_size, ") (world size ",
+                      o.world_size, ws && *ws ? std::string(" from WORLD_SIZE='") + ws + "'" : std::string(), ")");
+  }
   if (o.master_addr.empty()) {
     const char* a = std::getenv("MASTER_ADDR");
     o.master_addr = (a && *a) ? a : "127.0.0.1";
   }
-  if (o.master_port < 0) o.master_port = integer("MASTER_PORT", 29500);
+  if (o.master_port < 0)
+    o.master_port = detail::env_integer("MASTER_PORT", 29500, 1, 65535, "a port must be in [1, 65535]");
   return o;
 }
+
+namespace detail {
+
+// Note [Store probe]
+// c10d's TCPStore client (libtorch 1.13) connects with a timeout, but then waits for
+// answers with no timeout at all, and its constructor starts a thread (the watch-key
+// daemon) that reads from a second connection and lets any socket error escape it: a
+// peer that accepts and never answers blocks the first store call until it closes, and
+// when it closes with a reset (RST: a connection still in its accept queue, or unread
+// data), that thread throws std::system_error and std::terminate ends the process.
+// So before any c10d object touches the address, `probe_tcp_store` connects with a
+// socket of its own, asks what a c10d store answers (GETNUMKEYS: one byte, query 6 of
+// c10d's protocol since 1.8; the answer is a little-endian int64) and waits for the
+// answer with poll() until the deadline. Only a peer that answered like a store is handed
+// to c10d; anything else is a DistributedError from this thread, within the timeout.
+
+/// Milliseconds from now until `deadline`, at least 0, rounded up (for poll()).
+inline int ms_until(std::chrono::steady_clock::time_point deadline) {
+  const auto left = deadline - std::chrono::steady_clock::now();
+  if (left <= std::chrono::steady_clock::duration::zero()) return 0;
+  return static_cast<int>(std::min<int64_t>(
+      std::chrono::ceil<std::chrono::milliseconds>(left).count(), 1000 * 1000 * 1000));
+}
+
+/// Note [Store probe]: empty when a c10d TCPStore answered at `host:port` before
+/// `deadline`, else why not (a phrase naming host:port). Retries a refused connection
+/// until the deadline (rank 0 may start later). Never throws; blocks at most until the
+/// deadline (and for the name look-up, which a numeric address skips).
+inline std::string probe_tcp_store(const std::string& host, int port, std::chrono::steady_clock::time_point deadline) {
+  const std::string where = host + ":" + std::to_string(port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found); rc != 0)
+    return "cannot resolve the master address '" + host + "': " + ::gai_strerror(rc);
+  std::unique_ptr<addrinfo, void (*)(addrinfo*)> addresses(found, ::freeaddrinfo);
+  struct Socket {
+    int fd = -1;
+    ~Socket() {
+      if (fd >= 0) ::close(fd);
+    }
+  };
+  std::string last_error = "no attempt";
+  while (true) {
+    for (addrinfo* ai = addresses.get(); ai != nullptr; ai = ai->ai_next) {
+      Socket s;
+      s.fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
+      if (s.fd < 0) {
+        last_error = std::strerror(errno);
+        continue;
+      }
+      int err = 0;
+      if (::connect(s.fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+        err = errno;
+        if (err == EINPROGRESS) {
+          pollfd p{s.fd, POLLOUT, 0};
+          const int ready = ::poll(&p, 1, ms_until(deadline));
+          if (ready == 0) {
+            last_error = "the connection was not accepted in time";
+            continue;
+          }
+          socklen_t len = sizeof err;
+          if (ready < 0 || ::getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+        }
+      }
+      if (err != 0) {
+        last_error = std::strerror(err);
+        continue;
+      }
+      // Connected: one GETNUMKEYS query, then its 8-byte answer before the deadline.
+      const unsigned char query = 6;
+      if (::send(s.fd, &query, 1, MSG_NOSIGNAL) != 1)
+        return where + " closed the connection (" + std::strerror(errno) +
+               ") before the store's first query: it is not a c10d store, or rank 0 is shutting down";
+      unsigned char answer[8];
+      std::size_t got = 0;
+      while (got < sizeof answer) {
+        pollfd p{s.fd, POLLIN, 0};
+        const int ready = ::poll(&p, 1, ms_until(deadline));
+        if (ready == 0)
+          return where + " accepted the connection but did not answer the store's first query within the "
+                         "timeout: it is not a c10d store, or its process (rank 0) is stopped";
+        const ssize_t n = ready < 0 ? -1 : ::recv(s.fd, answer + got, sizeof answer - got, 0);
+        if (n > 0) {
+          got += static_cast<std::size_t>(n);
+        } else if (n == 0) {
+          return where + " closed the connection without answering the store's first query: it is not a "
+                         "c10d store, or rank 0 is shutting down";
+        } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          return where + " closed the connection (" + std::strerror(errno) +
+                 ") without answering the store's first query: it is not a c10d store, or rank 0 is shutting down";
+        }
+      }
+      uint64_t keys = 0;
+      for (int i = 7; i >= 0; --i) keys = keys << 8 | answer[i];
+      if (keys >= (uint64_t(1) << 40))
+        return where + " answered, but not as a c10d store does (a key count of " + std::to_string(keys) + ")";
+      return {};
+    }
+    if (ms_until(deadline) == 0) break;
+    std::this_thread::sleep_for(std::min(std::chrono::milliseconds(50), std::chrono::milliseconds(ms_until(deadline))));
+  }
+  return "nothing at " + where + " accepted a connection within the timeout (" + last_error + "): is rank 0 running?";
+}
+
+/// Whether a process holds TCP port `port` on this host (binding it as c10d's store does
+/// fails with EADDRINUSE).
+inline bool port_in_use(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool in_use = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 && errno == EADDRINUSE;
+  ::close(fd);
+  return in_use;
+}
+
+// Note [Bounded store calls]
+// After the probe, the store is built and the rendezvous run on a thread of their own,
+// which the constructor waits for until a deadline (twice the timeout, plus a second:
+// reaching the store, then waiting for the ranks). c10d's calls have no timeout of their
+// own while they wait for an answer, so a store that answered the probe and then stopped
+// (rank 0 stopped, a dead link without a reset) would otherwise block the constructor
+// forever. On the deadline that thread is detached, not owned: owning it would mean
+// joining it, which is the very hang this avoids, and a std::thread still joinable at
+// destruction calls std::terminate. The detached thread refers to nothing the caller
+// owns: it holds the job (a shared_ptr) and the store (an intrusive_ptr), catches every
+// exception, and when c10d returns at last (the peer closed) it frees the store and ends
+// quietly. At exit it is simply not waited for (exit() does not join threads); while it
+// stays blocked in recv() it touches nothing, so nothing crashes.
+
+/// A job run on its own thread (Note [Bounded store calls]).
+struct BoundedJob {
+  std::mutex mutex;
+  std::condition_variable done_cv;
+  bool done = false;
+  std::exception_ptr error;
+  std::atomic<int> stage{0};  ///< how far the job got, for the message on the deadline
+  c10::intrusive_ptr<::c10d::Store> store;
+};
+
+/// Runs `fn(job)` on a thread of its own; returns true when it finished before `deadline`
+/// (its exception, if any, is rethrown here), false when the deadline passed (the thread is
+/// detached and left to finish on its own).
+template <class Fn>
+bool run_bounded(const std::shared_ptr<BoundedJob>& job, Fn fn, std::chrono::steady_clock::time_point deadline) {
+  std::thread worker([job, fn = std::move(fn)]() mutable noexcept {
+    std::exception_ptr error;
+    try {
+      fn(*job);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(job->mutex);
+    job->error = error;
+    job->done = true;
+    job->done_cv.notify_all();
+  });
+  bool finished;
+  {
+    std::unique_lock<std::mutex> lock(job->mutex);
+    finished = job->done_cv.wait_until(lock, deadline, [&] { return job->done; });
+  }
+  if (!finished) {
+    worker.detach();
+    return false;
+  }
+  worker.join();
+  if (job->error) std::rethrow_exception(job->error);
+  return true;
+}
+
+}  // namespace detail
 
 // Note [Lost ranks]
 // Gloo reports a dead peer as a socket error ("Connection reset by peer", "Connection
@@ -94,22 +314,29 @@ class ProcessGroup {
  public:
   /// Sets up the group (`options_from_env` fills what `options` leaves unset) and waits,
   /// up to the timeout, for every rank to arrive. Throws `DistributedError`: world size
-  /// < 1, rank outside [0, world size), a non-positive timeout or port outside
-  /// [1, 65535]; rank 0 cannot host the store (port in use); the master cannot be reached
-  /// within the timeout; a rank did not arrive within the timeout (naming it).
+  /// outside [1, kMaxWorldSize], rank outside [0, world size), a timeout outside
+  /// (0, kMaxTimeout] or port outside [1, 65535]; rank 0 cannot host the store (the port is
+  /// held by another process: naming the port); no store answers at the master's address
+  /// within the timeout (Note [Store probe]: a peer that accepts and never answers, or
+  /// closes the connection, is one, never a hang or std::terminate); a rank did not arrive
+  /// within the timeout (naming it). Reaching the store and the rendezvous take at most
+  /// about twice the timeout, plus a second (Note [Bounded store calls]).
   explicit ProcessGroup(ProcessGroupOptions options = {}) : o_(options_from_env(std::move(options))) {
     STAGEJIT_CHECK_AS(DistributedError, o_.world_size >= 1, "distributed: world size must be >= 1, got ",
                       o_.world_size);
+    STAGEJIT_CHECK_AS(DistributedError, o_.world_size <= kMaxWorldSize, "distributed: world size must be <= ",
+                      kMaxWorldSize, ", got ", o_.world_size);
     STAGEJIT_CHECK_AS(DistributedError, o_.rank >= 0 && o_.rank < o_.world_size, "distributed: rank ",
                       o_.rank, " is outside [0, ", o_.world_size, ") (world size ", o_.world_size, ")");
     STAGEJIT_CHECK_AS(DistributedError, o_.timeout.count() > 0, "distributed: the timeout must be "
                       "positive, got ", o_.timeout.count(), " ms");
+    STAGEJIT_CHECK_AS(DistributedError, o_.timeout <= kMaxTimeout, "distributed: the timeout must be at most ",
+                      kMaxTimeout.count(), " ms (a year), got ", o_.timeout.count(), " ms");
     STAGEJIT_CHECK_AS(DistributedError, !o_.file_store.empty() || (o_.master_port >= 1 && o_.master_port <= 65535),
                       "distributed: MASTER_PORT ", o_.master_port, " is outside [1, 65535]");
     address_ = o_.file_store.empty() ? "tcp://" + o_.master_addr + ":" + std::to_string(o_.master_port)
                                      : "file://" + o_.file_store;
-    connect_store();
-    rendezvous();
+    connect_and_rendezvous();
     try {
       auto gloo_options = ::c10d::ProcessGroupGloo::Options::create(o_.timeout);
       gloo_options->devices.push_back(make_device());
@@ -219,10 +446,8 @@ class ProcessGroup {
   }
 
   std::string prefix() const {
-    char t[32];
-    std::snprintf(t, sizeof t, "%.3g", std::chrono::duration<double>(o_.timeout).count());
     return "distributed: rank " + std::to_string(o_.rank) + " of " + std::to_string(o_.world_size) +
-           " (store " + address_ + ", timeout " + t + " s): ";
+           " (store " + address_ + ", timeout " + seconds_text() + " s): ";
   }
 
   static std::string message_of(const std::exception_ptr& e) {
@@ -237,52 +462,107 @@ class ProcessGroup {
     return "unknown error";
   }
 
-  void connect_store() {
-    try {
-      if (!o_.file_store.empty()) {
-        store_ = c10::make_intrusive<::c10d::FileStore>(o_.file_store, o_.world_size);
-      } else {
-        ::c10d::TCPStoreOptions so;
-        so.port = static_cast<uint16_t>(o_.master_port);
-        so.isServer = o_.rank == 0;
-        so.numWorkers = o_.world_size;
-        so.waitWorkers = false;  // the rendezvous below names the ranks that do not arrive
-        so.timeout = o_.timeout;
-        store_ = c10::make_intrusive<::c10d::TCPStore>(o_.master_addr, so);
-      }
-      store_->setTimeout(o_.timeout);
-    } catch (...) {
-      ::stagejit::detail::throw_error<DistributedError>(
-          prefix(),
-          !o_.file_store.empty() ? "cannot open the file store"
-          : o_.rank == 0         ? "cannot host the store (is the port in use?)"
-                                 : "cannot reach the master within the timeout (is rank 0 running?)",
-          ": ", message_of(std::current_exception()));
-    }
+  // What a failure can add when the timeout is under a second.
+  std::string short_timeout_hint() const {
+    return o_.timeout < std::chrono::seconds(1) ? " (a timeout of " + seconds_text() + " s is likely too short)"
+                                                : std::string();
   }
 
-  // Every rank announces itself, then waits for all others; on the timeout the missing
-  // ones are named.
-  void rendezvous() {
-    try {
-      store_->set(arrive_key(o_.rank), std::vector<uint8_t>{1});
-      store_->add(beat_key(o_.rank), 1);
-      std::vector<std::string> keys;
-      for (int r = 0; r < o_.world_size; ++r) keys.push_back(arrive_key(r));
-      store_->wait(keys, o_.timeout);
-    } catch (...) {
-      std::string missing;
+  std::string seconds_text() const {
+    char t[32];
+    std::snprintf(t, sizeof t, "%.3g", std::chrono::duration<double>(o_.timeout).count());
+    return t;
+  }
+
+  // Probes the TCPStore (Note [Store probe]), then builds the store and runs the rendezvous
+  // on a thread bounded by a deadline (Note [Bounded store calls]): every rank announces
+  // itself, then waits for all others; on the timeout the missing ones are named.
+  void connect_and_rendezvous() {
+    using Clock = std::chrono::steady_clock;
+    const bool tcp = o_.file_store.empty();
+    if (tcp && o_.rank != 0) {
+      const std::string why = detail::probe_tcp_store(o_.master_addr, o_.master_port, Clock::now() + o_.timeout);
+      if (!why.empty())
+        ::stagejit::detail::throw_error<DistributedError>(prefix(), "cannot reach the master within the timeout: ",
+                                                          why, short_timeout_hint());
+    }
+    auto job = std::make_shared<detail::BoundedJob>();
+    const ProcessGroupOptions o = o_;
+    const std::string prefix_text = prefix(), hint = short_timeout_hint();
+    auto work = [o, prefix_text, hint](detail::BoundedJob& j) {
+      if (!o.file_store.empty()) {
+        j.store = c10::make_intrusive<::c10d::FileStore>(o.file_store, o.world_size);
+      } else {
+        ::c10d::TCPStoreOptions so;
+        so.port = static_cast<uint16_t>(o.master_port);
+        so.isServer = o.rank == 0;
+        so.numWorkers = o.world_size;
+        so.waitWorkers = false;  // the rendezvous below names the ranks that do not arrive
+        // c10d truncates its connect timeout to whole seconds (0 s for anything under
+        // one, which fails at once): give it at least a second; our deadline bounds it.
+        so.timeout = std::max<std::chrono::milliseconds>(std::chrono::ceil<std::chrono::seconds>(o.timeout),
+                                                         std::chrono::seconds(1));
+        j.store = c10::make_intrusive<::c10d::TCPStore>(o.master_addr, so);
+      }
+      j.store->setTimeout(o.timeout);
+      j.stage = 1;
+      const c10::intrusive_ptr<::c10d::Store> store = j.store;
       try {
-        for (int r = 0; r < o_.world_size; ++r)
-          if (!store_->check({arrive_key(r)})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        store->set(arrive_key(o.rank), std::vector<uint8_t>{1});
+        store->add(beat_key(o.rank), 1);
+        std::vector<std::string> keys;
+        for (int r = 0; r < o.world_size; ++r) keys.push_back(arrive_key(r));
+        store->wait(keys, o.timeout);
       } catch (...) {
-        missing = o_.rank == 0 || !o_.file_store.empty() ? "" : "0 (the store's host)";
+        const std::exception_ptr cause = std::current_exception();
+        std::string missing;
+        try {
+          for (int r = 0; r < o.world_size; ++r)
+            if (!store->check({arrive_key(r)})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        } catch (...) {
+          missing = o.rank == 0 || !o.file_store.empty() ? "" : "0 (the store's host)";
+        }
+        ::stagejit::detail::throw_error<DistributedError>(
+            prefix_text, "not every rank arrived within the timeout",
+            missing.empty() ? "" : ": missing rank(s) " + missing, hint, ": ", message_of(cause));
+      }
+      j.stage = 2;
+    };
+    const auto deadline = Clock::now() + 2 * o_.timeout + std::chrono::seconds(1);
+    bool finished = false;
+    try {
+      finished = detail::run_bounded(job, std::move(work), deadline);
+    } catch (const DistributedError&) {
+      throw;
+    } catch (...) {
+      // Building the store failed (stage 0).
+      const std::string cause = message_of(std::current_exception());
+      if (!tcp)
+        ::stagejit::detail::throw_error<DistributedError>(prefix(), "cannot open the file store: ", cause);
+      if (o_.rank == 0) {
+        if (cause.find("already in use") != std::string::npos || detail::port_in_use(o_.master_port))
+          ::stagejit::detail::throw_error<DistributedError>(
+              prefix(), "cannot host the store: port ", o_.master_port,
+              " is in use: another process holds it (another rank 0 given the same MASTER_PORT, or an earlier run "
+              "still alive?): ",
+              cause);
+        ::stagejit::detail::throw_error<DistributedError>(prefix(), "cannot host the store on port ", o_.master_port,
+                                                          hint, ": ", cause);
       }
       ::stagejit::detail::throw_error<DistributedError>(
-          prefix(), "not every rank arrived within the timeout",
-          missing.empty() ? "" : ": missing rank(s) " + missing, ": ",
-          message_of(std::current_exception()));
+          prefix(), "cannot connect to the store (it answered a first query, then failed)", hint, ": ", cause);
     }
+    if (!finished) {
+      const int stage = job->stage.load();
+      ::stagejit::detail::throw_error<DistributedError>(
+          prefix(),
+          stage == 0 ? (!tcp ? std::string("cannot open the file store")
+                        : o_.rank == 0 ? "cannot host the store on port " + std::to_string(o_.master_port)
+                                       : std::string("cannot connect to the store"))
+                     : std::string("the rendezvous did not finish"),
+          " within twice the timeout: the store stopped answering (its thread is left behind, detached)", hint);
+    }
+    store_ = job->store;
   }
 
   std::shared_ptr<::gloo::transport::Device> make_device() const {
