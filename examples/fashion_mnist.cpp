@@ -31,12 +31,14 @@
 #include <chrono>
 #include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -806,7 +808,16 @@ int main(int argc, char** argv) {
   app.add_option("--rank", o.rank, "This process's rank in [0, world size) (default RANK, else 0)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--timeout", o.timeout, "Seconds to wait for a peer (rendezvous, each all-reduce)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            // 1 ms to a year (the process group's limits); NaN and infinities refused.
+            double t = 0;
+            if (!CLI::detail::lexical_cast(text, t) || !std::isfinite(t) || t < 0.001 || t > 31536000.0)
+              return "--timeout " + text + " is outside [0.001, 31536000] seconds (1 ms to a year)";
+            return {};
+          },
+          "SECONDS in [0.001, 31536000]"));
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "Data-parallel gradient bucket cap (MiB, DDP's)")
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--first-bucket-cap-mb", o.first_bucket_cap_mb, "Cap of the first bucket (MiB)")
@@ -829,10 +840,27 @@ int main(int argc, char** argv) {
 
   Distributed dist_run;
   {
-    const char* ws = std::getenv("WORLD_SIZE");
-    const char* rk = std::getenv("RANK");
-    dist_run.world_size = o.world_size > 0 ? o.world_size : (ws && *ws ? std::atoi(ws) : 1);
-    dist_run.rank = o.rank >= 0 ? o.rank : (rk && *rk ? std::atoi(rk) : 0);
+    // torchrun's variables, range checked (no wrap-around: WORLD_SIZE=4294967297 is not 1).
+    auto env_int = [](const char* name, int fallback, long long lo, long long hi) -> std::optional<int> {
+      const char* v = std::getenv(name);
+      if (v == nullptr || *v == '\0') return fallback;
+      const char* digits = (*v == '+' || *v == '-') ? v + 1 : v;
+      char* end = nullptr;
+      errno = 0;
+      const long long x = std::strtoll(v, &end, 10);
+      if (*digits < '0' || *digits > '9' || *end != '\0' || errno == ERANGE || x < lo || x > hi) {
+        std::fprintf(stderr, "error: environment variable %s='%s' is not an integer in [%lld, %lld]\n", name, v, lo,
+                     hi);
+        return std::nullopt;
+      }
+      return static_cast<int>(x);
+    };
+    const std::optional<int> ws = o.world_size > 0 ? o.world_size : env_int("WORLD_SIZE", 1, 1, 1 << 20);
+    if (!ws) return 2;
+    dist_run.world_size = *ws;
+    const std::optional<int> rk = o.rank >= 0 ? o.rank : env_int("RANK", 0, 0, dist_run.world_size - 1);
+    if (!rk) return 2;
+    dist_run.rank = *rk;
   }
   if (dist_run.active()) {
 #if defined(STAGEJIT_HAVE_DISTRIBUTED)
@@ -854,7 +882,7 @@ int main(int argc, char** argv) {
       dist::ProcessGroupOptions po;
       po.rank = dist_run.rank;
       po.world_size = dist_run.world_size;
-      po.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout * 1000));
+      po.timeout = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(o.timeout * 1000)));
       dist_run.group = std::make_shared<dist::ProcessGroup>(po);
     } catch (const sj::Error& e) {
       std::fprintf(stderr, "stagejit error: %s\n", e.what());
