@@ -22,6 +22,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -181,7 +182,23 @@ int main(int argc, char** argv) {
   if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
   c.world_sizes.clear();
   std::stringstream ss(sizes);
-  for (std::string item; std::getline(ss, item, ',');) c.world_sizes.push_back(std::stoi(item));
+  for (std::string item; std::getline(ss, item, ',');) {
+    // Each a whole number of ranks in [1, 256] (processes of this machine): no stoi
+    // exception, no wrap-around, no world size 0 (a division by zero below).
+    char* end = nullptr;
+    errno = 0;
+    const long long w = item.empty() || item[0] < '0' || item[0] > '9' ? 0 : std::strtoll(item.c_str(), &end, 10);
+    if (end == nullptr || *end != '\0' || errno == ERANGE || w < 1 || w > 256) {
+      std::fprintf(stderr, "error: --world-sizes '%s': '%s' is not a world size in [1, 256]\n", sizes.c_str(),
+                   item.c_str());
+      return 2;
+    }
+    c.world_sizes.push_back(static_cast<int>(w));
+  }
+  if (c.world_sizes.empty()) {
+    std::fprintf(stderr, "error: --world-sizes '%s' names no world size\n", sizes.c_str());
+    return 2;
+  }
 
   try {
     if (const char* out = std::getenv("DP_BENCH_OUT")) return worker(c, out);
