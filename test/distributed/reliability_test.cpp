@@ -76,12 +76,14 @@ struct CleanDistEnv : EnvGuard {
 
 // A TCP listener on 127.0.0.1 that is not a store. `accept_connections`: accept each
 // connection (else leave it in the accept queue); then hold it without reading or
-// answering until `close_after` (or until the peer is destroyed), closing it with a reset
-// (SO_LINGER 0) when `reset`, else with a FIN.
+// answering until `close_after` from the first accepted connection (or until the peer is
+// destroyed), closing it with a reset (SO_LINGER 0) when `reset`, else with a FIN.
+// `answer_first_query`: answer the first connection's first query as a store does.
 class FakePeer {
  public:
-  FakePeer(bool accept_connections, std::optional<std::chrono::milliseconds> close_after, bool reset)
-      : accept_(accept_connections), close_after_(close_after), reset_(reset) {
+  FakePeer(bool accept_connections, std::optional<std::chrono::milliseconds> close_after, bool reset,
+           bool answer_first_query = false)
+      : accept_(accept_connections), close_after_(close_after), reset_(reset), answer_first_(answer_first_query) {
     fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     REQUIRE(fd_ >= 0);
     sockaddr_in a{};
@@ -106,17 +108,28 @@ class FakePeer {
 
  private:
   void serve() {
-    const auto start = Clock::now();
+    std::optional<Clock::time_point> start;  // the first accepted connection: `close_after` counts from it
     while (!stop_) {
       pollfd p{fd_, POLLIN, 0};
       if (poll(&p, 1, 10) > 0 && !stop_) {
         int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
         if (c >= 0) {
+          if (answer_first_ && accepted_ == 0) {
+            // Answer the first connection's first query (the probe's GETNUMKEYS) as a
+            // c10d store does: 8 bytes, "0 keys". Nothing else is ever answered.
+            unsigned char q = 0;
+            pollfd pq{c, POLLIN, 0};
+            if (poll(&pq, 1, 2000) > 0 && recv(c, &q, 1, 0) == 1) {
+              const unsigned char zero[8] = {};
+              send(c, zero, sizeof zero, MSG_NOSIGNAL);
+            }
+          }
           conns_.push_back(c);
           ++accepted_;
+          if (!start) start = Clock::now();
         }
       }
-      if (close_after_ && Clock::now() - start >= *close_after_) close_all();
+      if (close_after_ && start && Clock::now() - *start >= *close_after_) close_all();
     }
   }
   void close_all() {
@@ -134,6 +147,7 @@ class FakePeer {
   bool accept_;
   std::optional<std::chrono::milliseconds> close_after_;
   bool reset_;
+  bool answer_first_;
   std::atomic<bool> stop_{false};
   std::atomic<int> accepted_{0};
   std::vector<int> conns_;
@@ -292,6 +306,31 @@ TEST_SUITE("distributed") {
               std::string::npos);
         CHECK(r.err.find("127.0.0.1:" + std::to_string(peer.port()) + " closed the connection") != std::string::npos);
       }
+    }
+  }
+
+  TEST_CASE("a store that answers the first query, then stops: the bounded set-up fails, its thread left behind") {
+    // c10d's own calls have no timeout once connected: the set-up thread is abandoned
+    // (detached) at 2 x timeout + 1 s. The peer then closes while the child still runs
+    // (the detached thread wakes and ends quietly), or only after the child has returned
+    // from main (the thread is still blocked in c10d at exit): either way a clean exit 3.
+    const int timeout_ms = 800;
+    for (bool close_while_alive : {true, false}) {
+      CAPTURE(close_while_alive);
+      FakePeer peer(true, close_while_alive ? std::optional(std::chrono::milliseconds(2 * timeout_ms + 2000))
+                                            : std::nullopt,
+                    /*reset=*/false, /*answer_first_query=*/true);
+      std::vector<std::string> env = rank1_env(peer.port(), timeout_ms);
+      env.push_back(close_while_alive ? "REL_LINGER_MS=2500" : "REL_LINGER_MS=0");
+      const ChildResult r = run_connect_child(env, std::chrono::milliseconds(3 * timeout_ms + 20000));
+      INFO("child stderr: ", r.err);
+      CHECK(r.status == 3);  // not a hang (-1), not a crash at exit (128 + signal)
+      CHECK(r.elapsed_ms >= 2 * timeout_ms);
+      CHECK(r.elapsed_ms <= 2 * timeout_ms + 1000 + 2000);
+      CHECK(r.err.find("rank 1 of 2 (store tcp://127.0.0.1:" + std::to_string(peer.port()) + ", timeout 0.8 s)") !=
+            std::string::npos);
+      CHECK(r.err.find("within twice the timeout: the store stopped answering") != std::string::npos);
+      CHECK(peer.accepted() >= 2);  // the probe, then c10d's own connection(s)
     }
   }
 
