@@ -392,6 +392,13 @@ TEST_SUITE("distributed") {
                            doctest::Contains("RANK='2' is out of range: a rank must be in [0, 2) (world size 2 from "
                                              "WORLD_SIZE='2')"),
                            sj::DistributedError);
+      dist::ProcessGroupOptions explicit_world;
+      explicit_world.world_size = 3;  // WORLD_SIZE is not read: RANK is checked against 3
+      CHECK(dist::options_from_env(explicit_world).rank == 2);
+      explicit_world.world_size = 2;
+      CHECK_THROWS_WITH_AS(dist::options_from_env(explicit_world),
+                           doctest::Contains("RANK='2' is out of range: a rank must be in [0, 2) (world size 2)"),
+                           sj::DistributedError);
     }
     // In range, the numbers come through unchanged.
     EnvGuard good;
@@ -439,6 +446,16 @@ TEST_SUITE("distributed") {
     CHECK(second.find("cannot host the store: port " + std::to_string(o.master_port) +
                       " is in use: another process holds it (another rank 0") != std::string::npos);
     CHECK(first.find("not every rank arrived within the timeout: missing rank(s) 1") != std::string::npos);
+    // A process that is no store, listening on 127.0.0.1 only, holds the port: the same
+    // error at once (c10d alone would host on [::] and connect its client to that process).
+    FakePeer other(true, std::nullopt, false);
+    o.master_port = other.port();
+    const auto t0 = Clock::now();
+    const std::string held = what_of([&] { dist::ProcessGroup g(o); });
+    INFO("held: ", held);
+    CHECK(held.find("cannot host the store: port " + std::to_string(o.master_port) +
+                    " is in use: another process holds it") != std::string::npos);
+    CHECK(Clock::now() - t0 < std::chrono::milliseconds(2000));
   }
 
   TEST_CASE("a timeout too short is named as such") {

@@ -102,15 +102,18 @@ inline int env_integer(const char* name, int fallback, long long lo, long long h
 /// [1, kMaxWorldSize], `MASTER_PORT` in [1, 65535]. Nothing wraps around.
 inline ProcessGroupOptions options_from_env(ProcessGroupOptions o = {}) {
   const bool rank_from_env = o.rank < 0 && std::getenv("RANK") && *std::getenv("RANK");
+  const bool world_from_env = o.world_size < 0 && std::getenv("WORLD_SIZE") && *std::getenv("WORLD_SIZE");
   if (o.world_size < 0)
     o.world_size = detail::env_integer("WORLD_SIZE", 1, 1, kMaxWorldSize,
                                        ("a world size must be in [1, " + std::to_string(kMaxWorldSize) + "]").c_str());
   if (o.rank < 0) o.rank = detail::env_integer("RANK", 0, 0, INT32_MAX, "a rank must be in [0, WORLD_SIZE)");
   if (rank_from_env && o.world_size >= 1) {
-    const char* ws = std::getenv("WORLD_SIZE");
     STAGEJIT_CHECK_AS(DistributedError, o.rank < o.world_size, "distributed: environment variable RANK='",
                       std::getenv("RANK"), "' is out of range: a rank must be in [0, ", o.world_size, ") (world size ",
-                      o.world_size, ws && *ws ? std::string(" from WORLD_SIZE='") + ws + "'" : std::string(), ")");
+                      o.world_size,
+                      world_from_env ? std::string(" from WORLD_SIZE='") + std::getenv("WORLD_SIZE") + "'"
+                                     : std::string(),
+                      ")");
   }
   if (o.master_addr.empty()) {
     const char* a = std::getenv("MASTER_ADDR");
@@ -474,6 +477,14 @@ class ProcessGroup {
     return t;
   }
 
+  [[noreturn]] void port_in_use_error(const std::string& cause) const {
+    ::stagejit::detail::throw_error<DistributedError>(
+        prefix(), "cannot host the store: port ", o_.master_port,
+        " is in use: another process holds it (another rank 0 given the same MASTER_PORT, or an earlier run still "
+        "alive?)",
+        cause.empty() ? "" : ": ", cause);
+  }
+
   // Probes the TCPStore (Note [Store probe]), then builds the store and runs the rendezvous
   // on a thread bounded by a deadline (Note [Bounded store calls]): every rank announces
   // itself, then waits for all others; on the timeout the missing ones are named.
@@ -486,6 +497,9 @@ class ProcessGroup {
         ::stagejit::detail::throw_error<DistributedError>(prefix(), "cannot reach the master within the timeout: ",
                                                           why, short_timeout_hint());
     }
+    // Rank 0: a port another process listens on (even on one address only, which c10d's
+    // bind to [::] may not notice) is refused before c10d's client could connect to it.
+    if (tcp && o_.rank == 0 && detail::port_in_use(o_.master_port)) port_in_use_error("");
     auto job = std::make_shared<detail::BoundedJob>();
     const ProcessGroupOptions o = o_;
     const std::string prefix_text = prefix(), hint = short_timeout_hint();
@@ -541,11 +555,7 @@ class ProcessGroup {
         ::stagejit::detail::throw_error<DistributedError>(prefix(), "cannot open the file store: ", cause);
       if (o_.rank == 0) {
         if (cause.find("already in use") != std::string::npos || detail::port_in_use(o_.master_port))
-          ::stagejit::detail::throw_error<DistributedError>(
-              prefix(), "cannot host the store: port ", o_.master_port,
-              " is in use: another process holds it (another rank 0 given the same MASTER_PORT, or an earlier run "
-              "still alive?): ",
-              cause);
+          port_in_use_error(cause);
         ::stagejit::detail::throw_error<DistributedError>(prefix(), "cannot host the store on port ", o_.master_port,
                                                           hint, ": ", cause);
       }
