@@ -36,19 +36,24 @@ std::shared_ptr<ir::Graph> parse_or_null(std::string_view text, const char* what
   return g;
 }
 
-/// The lint verdict: "" when accepted, else the rule that failed.
+/// The lint verdicts, by default and keeping unknown ops (`LintOptions`): for each, ""
+/// when accepted, else the rule that failed.
 std::string lint_verdict(const ir::Graph& g, const char* what) {
   std::string verdict;
-  fz::no_foreign_exceptions(what, [&] {
-    try {
-      ir::lint(g);
-    } catch (const ir::LintError& e) {
-      fz::check_not_internal(e, what);
-      verdict = e.rule();
-    } catch (const stagejit::Error& e) {
-      fz::finding(std::string(what) + ": lint threw a stagejit::Error that is not a LintError", e.what());
-    }
-  });
+  for (bool allow_unknown_ops : {false, true}) {
+    std::string rule;
+    fz::no_foreign_exceptions(what, [&] {
+      try {
+        ir::lint(g, {.allow_unknown_ops = allow_unknown_ops});
+      } catch (const ir::LintError& e) {
+        fz::check_not_internal(e, what);
+        rule = e.rule();
+      } catch (const stagejit::Error& e) {
+        fz::finding(std::string(what) + ": lint threw a stagejit::Error that is not a LintError", e.what());
+      }
+    });
+    verdict += (allow_unknown_ops ? " / " : "") + rule;
+  }
   return verdict;
 }
 

@@ -83,8 +83,9 @@ bool contains(std::string_view text, std::string_view part) { return text.find(p
 /// True for the errors a graph lint accepted may still meet when it is built and run
 /// (fuzz/README.md, "What counts as a finding"). Lint checks the IR's structure (stages,
 /// Handles, def-before-use, output groups, fixed arities of the built-in kinds, fusion
-/// group subgraphs); it does not consult the op table, infer shapes or look at values:
-/// a seed printout with ops the table lacks must still parse, lint and print. So:
+/// group subgraphs), refuses ops the table lacks, and checks table ops' input and output
+/// counts, chunk's and split's sizes and elementwise ops' declared types against the op
+/// schema (issue 34); it does not run ops nor look at values. So:
 /// - ShapeError, DtypeError: ATen refusing the actual tensors;
 /// - the op table refusing a node: an op it lacks, an op's arity or attributes, an output
 ///   count the op does not produce (chunk's depends on the input's shape);

@@ -31,12 +31,13 @@ TEST_SUITE("ir") {
       CAPTURE(f.filename().string());
       std::string text = read_text_file(f);
       auto g = ir::parse(text);
-      CHECK_NOTHROW(ir::lint(*g));
+      // Some files call ops the table lacks (some_op, TensorTest): kept for printing.
+      CHECK_NOTHROW(ir::lint(*g, {.allow_unknown_ops = true}));
       std::string printed = ir::to_string(*g);
       // Canonical files print back to exactly what was written by hand.
       if (!is_seed_era(f)) CHECK(printed == text);
       auto g2 = ir::parse(printed);
-      CHECK_NOTHROW(ir::lint(*g2));
+      CHECK_NOTHROW(ir::lint(*g2, {.allow_unknown_ops = true}));
       CHECK(ir::to_string(*g2) == printed);
       // clone() is a faithful deep copy.
       CHECK(ir::to_string(*g->clone()) == printed);

@@ -16,6 +16,22 @@
 ///   output of group s has stage <= s; every node and input stage has a group.
 /// - `arity`: Param, Constant and Undefined have no inputs and one output; Transpose and
 ///   Reshape have 1 input, Gemm 3; each of these has one output.
+/// - `unknown-op`: every `Op` is one of the op table's (ops/op_schema.hpp); parsed text may
+///   call any name, but such an op cannot run. `LintOptions::allow_unknown_ops` keeps them
+///   (`stagejit-run --allow-unknown-ops`), and then nothing more is checked of them.
+/// - `op-arity`: a table op has as many inputs as its schema accepts (`min_inputs` to
+///   `max_inputs`; a binary op's scalar form, one input, needs its scalar attribute, e.g.
+///   `other`) and as many outputs as it computes: `chunk` 1 to `chunks` (fewer when the
+///   dimension is short), `split` one per listed size (1 or more for an int size),
+///   `dropout` 1 or 2 (result, mask), `max_pool2d_with_indices` 2, `native_batch_norm` /
+///   `native_layer_norm` / `native_group_norm` 3, every other op 1.
+/// - `op-attribute`: `chunk` has an integer `chunks` >= 1; `split` an integer or integer
+///   list `split_size`, no size negative.
+/// - `declared-type`: for an elementwise op whose inputs all have declared tensor types,
+///   every output declared as a tensor type has the broadcast sizes of the inputs, and,
+///   when the op is differentiable (not `to`) and its inputs share one floating dtype,
+///   that dtype. Other ops' types need the op run: `stagejit-run --stage` checks every
+///   computed value against its declared type.
 /// - `calling-convention`: a HostOp's convention has only `t`/`s`, as many `t` as
 ///   tensor inputs and as many `s` as scalars.
 /// - `fusion-group`: the subgraph exists, lints, is single-stage, and its input and
@@ -26,14 +42,20 @@
 /// Throws `LintError` (an `IrError`) naming the node, the rule, and what was expected.
 
 #include <stagejit/core/detail/bodies_begin.hpp>
+#include <algorithm>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <unordered_map>
+#include <vector>
 #include <unordered_set>
 
 #include <stagejit/core/error.hpp>
 #include <stagejit/ir/detail/names.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
+#include <stagejit/ir/type.hpp>
+#include <stagejit/ops/op_schema.hpp>
 
 namespace stagejit::ir {
 
@@ -51,11 +73,18 @@ class LintError : public IrError {
   SourceLocation location_;
 };
 
+/// What `lint` accepts beyond the invariants every graph must keep.
+struct LintOptions {
+  /// Keep ops the op table does not know (rule `unknown-op`): text may name any op, but
+  /// such a graph cannot run.
+  bool allow_unknown_ops = false;
+};
+
 namespace detail {
 
 class Linter {
  public:
-  explicit Linter(const Graph& g) : g_(g), names_(g) {
+  explicit Linter(const Graph& g, LintOptions options = {}) : g_(g), options_(options), names_(g) {
     // A set, not Graph::owns: a corrupt use list may point at a freed node.
     for (const Node* n : g.all_nodes()) owned_.insert(n);
   }
@@ -154,7 +183,141 @@ class Linter {
     if (!k.value.defined()) fail(n, "arity", "a Constant holds an undefined tensor");
   }
   void check_kind(const Node* n, const Undefined&) const { arity(n, 0, "Undefined"); }
-  void check_kind(const Node*, const Op&) const {}  // any arity: the op table checks when run
+  void check_kind(const Node* n, const Op& k) const {
+    const OpSchema& s = k.schema();
+    const std::string name(k.name());
+    if (k.id() == OpId::unknown) {
+      if (options_.allow_unknown_ops) return;
+      fail(n, "unknown-op", "op '" + name +
+                                "' is not in the op table (ops/op_schema.hpp), so the graph cannot run; "
+                                "keep it with LintOptions::allow_unknown_ops (stagejit-run --allow-unknown-ops)");
+    }
+    const size_t ins = n->inputs().size(), outs = n->outputs().size();
+    if (int64_t(ins) < s.min_inputs || (s.max_inputs >= 0 && int64_t(ins) > s.max_inputs))
+      fail(n, "op-arity", name + " takes " + inputs_text(s) + ", found " + std::to_string(ins));
+    // A binary op's scalar form (`mul[other=2](%x)`): its scalar is an attribute.
+    if (std::string_view scalar = scalar_form_attribute(s); !scalar.empty() && int64_t(ins) < s.max_inputs &&
+                                                             !k.attribute(scalar))
+      fail(n, "op-arity", name + " with " + std::to_string(ins) + " input needs the attribute '" +
+                              std::string(scalar) + "' (its scalar form), or " + std::to_string(s.max_inputs) +
+                              " inputs");
+    auto int_attribute = [&](std::string_view key) -> std::optional<int64_t> {
+      const AttributeValue* v = k.attribute(key);
+      if (!v) fail(n, "op-attribute", name + " needs the attribute '" + std::string(key) + "'");
+      if (auto i = std::get_if<int64_t>(v)) return *i;
+      return std::nullopt;
+    };
+    size_t min_outs = 1, max_outs = 1;
+    switch (k.id()) {
+      case OpId::chunk: {
+        auto chunks = int_attribute("chunks");
+        if (!chunks) fail(n, "op-attribute", "chunk's attribute 'chunks' must be an integer");
+        if (*chunks < 1)
+          fail(n, "op-attribute", "chunk's attribute 'chunks' is " + std::to_string(*chunks) + "; it must be >= 1");
+        max_outs = size_t(*chunks);
+        break;
+      }
+      case OpId::split: {
+        const AttributeValue* v = k.attribute("split_size");
+        if (!v) fail(n, "op-attribute", "split needs the attribute 'split_size'");
+        if (auto list = std::get_if<std::vector<int64_t>>(v)) {
+          for (int64_t size : *list)
+            if (size < 0) fail(n, "op-attribute", "split's size " + std::to_string(size) + " is negative");
+          min_outs = max_outs = list->size();
+        } else if (auto size = std::get_if<int64_t>(v)) {
+          if (*size < 0) fail(n, "op-attribute", "split's split_size " + std::to_string(*size) + " is negative");
+          max_outs = size_t(-1);
+        } else {
+          fail(n, "op-attribute", "split's attribute 'split_size' must be an integer or an integer list");
+        }
+        break;
+      }
+      case OpId::dropout: max_outs = 2; break;  // result, and the mask when a backward needs it
+      case OpId::max_pool2d_with_indices: min_outs = max_outs = 2; break;
+      case OpId::native_batch_norm:
+      case OpId::native_layer_norm:
+      case OpId::native_group_norm: min_outs = max_outs = 3; break;
+      default: break;
+    }
+    if (outs < min_outs || outs > max_outs) {
+      std::string want = min_outs == max_outs ? std::to_string(min_outs)
+                         : max_outs == size_t(-1) ? "at least " + std::to_string(min_outs)
+                                                  : std::to_string(min_outs) + " to " + std::to_string(max_outs);
+      fail(n, "op-arity", name + " has " + want + " output" + (max_outs == 1 ? "" : "s") + ", found " +
+                              std::to_string(outs));
+    }
+    if (s.elementwise) check_elementwise_types(n, k);
+  }
+
+  static std::string inputs_text(const OpSchema& s) {
+    if (s.max_inputs < 0) return "at least " + std::to_string(s.min_inputs) + " inputs";
+    if (s.min_inputs == s.max_inputs)
+      return std::to_string(s.min_inputs) + " input" + (s.min_inputs == 1 ? "" : "s");
+    return std::to_string(s.min_inputs) + " to " + std::to_string(s.max_inputs) + " inputs";
+  }
+
+  // The attribute a binary op's one-input form takes its scalar from ("other" of
+  // "other (scalar form), alpha (default 1)"), or empty.
+  static std::string_view scalar_form_attribute(const OpSchema& s) {
+    constexpr std::string_view mark = " (scalar form)";
+    size_t at = s.attributes.find(mark);
+    if (at == std::string_view::npos) return {};
+    size_t begin = s.attributes.rfind(' ', at == 0 ? 0 : at - 1);
+    begin = begin == std::string_view::npos ? 0 : begin + 1;
+    return s.attributes.substr(begin, at - begin);
+  }
+
+  // Rule `declared-type` for an elementwise op: its inputs' declared sizes broadcast to
+  // each declared output's sizes; a differentiable op (not `to`) on inputs of one
+  // floating dtype keeps it.
+  void check_elementwise_types(const Node* n, const Op& k) const {
+    std::vector<const TensorType*> in;
+    for (const Value* v : n->inputs()) {
+      const TensorType* t = v->tensor_type();
+      if (!t) return;  // a type not declared: nothing to check against
+      in.push_back(t);
+    }
+    if (in.empty()) return;
+    std::vector<int64_t> sizes;
+    for (size_t i = 0; i < in.size(); ++i) {
+      const auto& b = in[i]->sizes;
+      std::vector<int64_t> out(std::max(sizes.size(), size_t(b.size())), 1);
+      for (size_t d = 0; d < out.size(); ++d) {
+        int64_t x = d < sizes.size() ? sizes[sizes.size() - 1 - d] : 1;
+        int64_t y = d < b.size() ? b[b.size() - 1 - d] : 1;
+        if (x != y && x != 1 && y != 1)
+          fail(n, "declared-type", "the inputs' declared sizes " + inputs_types(n) + " do not broadcast");
+        out[out.size() - 1 - d] = x == 1 ? y : x;
+      }
+      sizes = std::move(out);
+    }
+    // The dtype is checked when the op keeps its inputs' one floating dtype.
+    const at::ScalarType dtype = in[0]->dtype;
+    bool check_dtype = k.schema().differentiable && k.id() != OpId::to && at::isFloatingType(dtype);
+    for (const TensorType* t : in) check_dtype = check_dtype && t->dtype == dtype;
+    for (const Value* o : n->outputs()) {
+      const TensorType* t = o->tensor_type();
+      if (!t) continue;
+      const bool sizes_ok = std::equal(t->sizes.begin(), t->sizes.end(), sizes.begin(), sizes.end());
+      if (sizes_ok && (!check_dtype || t->dtype == dtype)) continue;
+      std::string expect =
+          check_dtype ? to_string(Type(TensorType::contiguous(dtype, sizes))) : "sizes " + sizes_text(sizes);
+      fail(n, "declared-type", "output " + names_(o) + " is declared " + to_string(o->type()) + ", but " +
+                                   std::string(k.name()) + " of " + inputs_types(n) + " gives " + expect);
+    }
+  }
+
+  std::string inputs_types(const Node* n) const {
+    std::string out = "(";
+    for (size_t i = 0; i < n->inputs().size(); ++i)
+      out += (i ? ", " : "") + names_(n->inputs()[i]) + " : " + to_string(n->inputs()[i]->type());
+    return out + ")";
+  }
+  static std::string sizes_text(const std::vector<int64_t>& sizes) {
+    std::string out = "[";
+    for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+    return out + "]";
+  }
   void check_kind(const Node* n, const Transpose&) const { arity(n, 1, "Transpose"); }
   void check_kind(const Node* n, const Reshape&) const { arity(n, 1, "Reshape"); }
   void check_kind(const Node* n, const Gemm&) const { arity(n, 3, "Gemm"); }
@@ -185,7 +348,7 @@ class Linter {
                                   std::to_string(n->outputs().size()));
     if (sub.num_stages() != 1) fail(n, "fusion-group", "the subgraph must have a single stage");
     try {
-      Linter(sub).run();
+      Linter(sub, options_).run();
     } catch (const LintError& e) {
       fail(n, "fusion-group", std::string("subgraph: ") + e.what());
     }
@@ -221,6 +384,7 @@ class Linter {
   }
 
   const Graph& g_;
+  LintOptions options_;
   std::unordered_set<const Node*> owned_;
   NameTable names_;
 };
@@ -229,7 +393,7 @@ class Linter {
 
 /// Checks every invariant listed in the file comment; throws LintError (an IrError)
 /// naming the node and the rule at the first violation.
-inline void lint(const Graph& graph) { detail::Linter(graph).run(); }
+inline void lint(const Graph& graph, LintOptions options = {}) { detail::Linter(graph, options).run(); }
 
 }  // namespace stagejit::ir
 #include <stagejit/core/detail/bodies_end.hpp>

@@ -7,7 +7,8 @@
 /// - a `, uses = [...]` suffix after a node's inputs: `[%5.i0, %0.i1]` for a single
 ///   output, `[[...], [...]]` with one list per output. It is checked against the real
 ///   uses: the same number, and each `%N.iK` matches a distinct use at input `K` of the
-///   node whose single output is `%N`; of the return statement for `%0` when no value is
+///   node whose single output is `%N`; of the node whose outputs print as `%N.0, %N.1`
+///   (the `%N.k` output style); of the return statement for `%0` when no value is
 ///   called `%0`; or, `%N` naming no value, of the node it is the hidden id of. The seed
 ///   numbered a node before its outputs and printed host ops, CppOps and fusion groups
 ///   through Select nodes, so `%N` is a user whose first output's number is above N: the
@@ -21,7 +22,9 @@
 ///   a HostOp with convention `t` per input under the printed name.
 /// - attribute values: unquoted words (strings: `note=from_pyop`) and tensor dumps
 ///   (`a= 1  1  1  1 [ CPUDoubleTensor{2,2} ]`: a tensor when its values fill its sizes,
-///   else the dump's text as a string).
+///   else the dump's text as a string); 2018's `[ CPUDoubleType{2} ]` too, on one line
+///   or across lines: whitespace inside a dump does not matter.
+/// - a UTF-8 byte-order mark at the start of the text (skipped; elsewhere an error).
 /// - `Transpose(%x)` without `perm`: reverse the axes (ONNX's default).
 /// - `return (...)` without `|`: each output goes to the group of its producer's stage.
 /// - `UNKNOWN_TYPE`, `fusion_group_N` with its `with fusion_group_N = graph(...)` block,
@@ -335,19 +338,29 @@ class Parser {
     std::string_view body(dump.data(), open);
     std::string_view tail = std::string_view(dump).substr(open + 1);
     size_t lb = tail.find('{'), rb = tail.find('}');
+    auto is_space = [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; };
     std::string_view type_name = tail.substr(0, lb);
-    while (!type_name.empty() && type_name.front() == ' ') type_name.remove_prefix(1);
+    while (!type_name.empty() && is_space(type_name.front())) type_name.remove_prefix(1);
+    while (!type_name.empty() && is_space(type_name.back())) type_name.remove_suffix(1);
     for (std::string_view prefix : {"CPU", "CUDA", "torch.cuda.", "torch."})
       if (type_name.substr(0, prefix.size()) == prefix) type_name.remove_prefix(prefix.size());
-    type_name.remove_suffix(6);  // "Tensor"
+    // "Tensor" (2017: CPUDoubleTensor) or "Type" (2018: CPUDoubleType); the lexer saw one.
+    for (std::string_view suffix : {"Tensor", "Type"})
+      if (type_name.size() >= suffix.size() && type_name.substr(type_name.size() - suffix.size()) == suffix) {
+        type_name.remove_suffix(suffix.size());
+        break;
+      }
     std::optional<at::ScalarType> dtype = dtype_from_name(type_name);
     std::vector<int64_t> sizes;
     bool ok = dtype.has_value() && lb != std::string_view::npos && rb != std::string_view::npos;
     std::string_view dims = ok ? tail.substr(lb + 1, rb - lb - 1) : std::string_view();
+    while (!dims.empty() && is_space(dims.back())) dims.remove_suffix(1);
     while (ok && !dims.empty()) {
       size_t comma = dims.find(',');
       int64_t v = 0;
-      std::string item(dims.substr(0, comma));
+      std::string item;
+      for (char c : dims.substr(0, comma))
+        if (!is_space(c)) item += c;
       ok = parse_number(item, v) && v >= 0 && v <= (int64_t(1) << 24);
       sizes.push_back(v);
       dims = comma == std::string_view::npos ? std::string_view() : dims.substr(comma + 1);
@@ -953,6 +966,10 @@ class Parser {
             if (it->second->node()->outputs().size() != 1)
               fail(r.token, "use %" + r.token.text + " names an output of a multi-output node, not a user node");
             user = it->second->node();
+          } else if (auto dotted = scope.values.find(r.user + ".0"); dotted != scope.values.end()) {
+            // The `%N.k` output style (2017): a node's outputs print as `%N.0, %N.1`, and
+            // `%N.iK` names that node, by the number its outputs carry.
+            user = dotted->second->node();
           } else if (r.user == "0") {
             user = g.return_node();
           } else if (!parse_number(r.user, hidden_id) || hidden_id < 0) {

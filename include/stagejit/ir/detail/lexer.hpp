@@ -43,7 +43,12 @@ struct Token {
 
 class Lexer {
  public:
-  explicit Lexer(std::string_view text) : text_(text) {}
+  /// A UTF-8 byte-order mark at the very start (editors on Windows write one) is skipped;
+  /// one anywhere else is a ParseError at its line:column.
+  explicit Lexer(std::string_view text) : text_(text) {
+    if (text_.substr(0, 3) == bom) text_.remove_prefix(3);
+  }
+  static constexpr std::string_view bom = "\xEF\xBB\xBF";
 
   const Token& peek() {
     if (!has_peeked_) {
@@ -93,18 +98,28 @@ class Lexer {
       ++p;
     }
     if (!any_number || at_p(0) != '[') return std::nullopt;
+    // `[ CPUDoubleTensor{2,2} ]` (2017) or `[ CPUDoubleType{2} ]` (2018); whitespace,
+    // newlines included, may stand between any two of its parts.
+    auto space = [&](size_t& k) {
+      while (k < text_.size() && std::isspace(static_cast<unsigned char>(text_[k]))) ++k;
+    };
     size_t q = p + 1;
-    while (q < text_.size() && text_[q] == ' ') ++q;
+    space(q);
     size_t name_begin = q;
-    while (q < text_.size() && ident_char(text_[q])) ++q;
+    while (q < text_.size() && (ident_char(text_[q]) || text_[q] == '.')) ++q;  // torch.DoubleTensor
     std::string_view type_name = text_.substr(name_begin, q - name_begin);
-    if (type_name.size() < 7 || type_name.substr(type_name.size() - 6) != "Tensor" || q >= text_.size() ||
-        text_[q] != '{')
-      return std::nullopt;
-    while (q < text_.size() && text_[q] != '}' && text_[q] != '\n') ++q;
+    auto ends_with = [&](std::string_view suffix) {
+      return type_name.size() > suffix.size() && type_name.substr(type_name.size() - suffix.size()) == suffix;
+    };
+    if (!ends_with("Tensor") && !ends_with("Type")) return std::nullopt;
+    space(q);
+    if (q >= text_.size() || text_[q] != '{') return std::nullopt;
+    while (q < text_.size() && text_[q] != '}' &&
+           (digit(text_[q]) || text_[q] == ',' || text_[q] == '{' || std::isspace(static_cast<unsigned char>(text_[q]))))
+      ++q;
     if (q >= text_.size() || text_[q] != '}') return std::nullopt;
     ++q;
-    while (q < text_.size() && text_[q] == ' ') ++q;
+    space(q);
     if (q >= text_.size() || text_[q] != ']') return std::nullopt;
     ++q;
     while (pos_ < start) advance();
@@ -231,6 +246,8 @@ class Lexer {
     }
     if (std::isprint(static_cast<unsigned char>(c)))
       fail(t, std::string("unexpected character '") + c + "'");
+    if (text_.substr(pos_, 3) == bom)
+      fail(t, "unexpected UTF-8 byte-order mark (U+FEFF): one is only allowed at the start of the file");
     fail(t, "unexpected byte " + std::to_string(static_cast<unsigned char>(c)));
   }
 
