@@ -20,6 +20,8 @@
 #include <stagejit/ops/op_def.hpp>
 #include <stagejit/ops/ops.hpp>
 
+#include <ATen/ExpandUtils.h>
+
 #include <algorithm>
 #include <optional>
 #include <sstream>
@@ -407,6 +409,59 @@ STAGEJIT_FUNC void Function::release_variables() {
   }
 }
 
+// ------------------------------------------------------------------ iterative release
+// Note [Iterative release]
+// A Function owns the next Functions of its graph through its edges (and, through saved
+// Variables, their grad_fns), so freeing the last Variable of an eager chain of n ops
+// used to run n nested destructors: `y = -y` 200 000 times overflowed the stack when y
+// went away. As libtorch's deleteNode (torch/csrc/autograd/function.cpp), a Function's
+// destructor does not free what it owns itself: `~Function` and `~VariableImpl` hand each
+// owned Function to `release_function`, which puts it on this thread's worklist when a
+// release is already running further up the stack, and otherwise runs one, freeing the
+// worklist's Functions one at a time until it is empty. The stack holds at most one
+// Function destructor under the running release, whatever the graph's length; memory is
+// still freed before the outermost release returns. The worklist pointer is a trivially
+// destructible thread_local (a release at thread or program exit stays valid); the list
+// itself lives in the outermost release's frame.
+namespace detail::autograd_impl {
+inline thread_local std::vector<std::shared_ptr<Function>>* t_release_worklist = nullptr;
+}  // namespace detail::autograd_impl
+
+STAGEJIT_FUNC void detail::release_function(std::shared_ptr<Function>& fn) noexcept {
+  if (!fn) return;
+  if (fn.use_count() > 1) {  // another owner keeps it: nothing is freed now
+    fn.reset();
+    return;
+  }
+  if (auto* list = t_release_worklist) {
+    list->push_back(std::move(fn));
+    return;
+  }
+  std::vector<std::shared_ptr<Function>> worklist;
+  t_release_worklist = &worklist;
+  worklist.push_back(std::move(fn));
+  while (!worklist.empty()) {
+    std::shared_ptr<Function> next = std::move(worklist.back());
+    worklist.pop_back();
+    next.reset();  // its destructor adds what it owned to the worklist
+  }
+  t_release_worklist = nullptr;
+}
+
+STAGEJIT_FUNC Function::~Function() {
+  for (auto& e : next_functions) detail::release_function(e.function);
+  if (auto* k = std::get_if<SimpleEval>(&kind)) {
+    detail::release_function(k->fn);
+  } else if (auto* ev = std::get_if<Eval>(&kind)) {
+    for (auto& e : ev->roots) detail::release_function(e.function);
+    for (auto& p : ev->placeholders) detail::release_function(p);
+  } else if (auto* out = std::get_if<EvalOutput>(&kind)) {
+    detail::release_function(out->next_edge.function);
+  }
+}
+
+STAGEJIT_FUNC detail::VariableImpl::~VariableImpl() { release_function(grad_fn); }
+
 // ------------------------------------------------------------------ callbacks
 STAGEJIT_FUNC bool run_callback(const CallbackPolicy& policy, Function& fn, variable_list& inputs,
                   variable_list* outputs, CallState* state) {
@@ -637,14 +692,22 @@ namespace detail::autograd_impl {
 
 // A host backward's gradients, one per tensor input. It may return one per tensor input,
 // or one per forward argument (libtorch's Function<T>, the seed's MulConstant:
-// `{g * c, Variable()}`), whose non-tensor slots must be undefined.
+// `{g * c, Variable()}`), whose non-tensor slots must be undefined. As libtorch's
+// CppNode<T>::apply, gradients past the forward's arguments are dropped when they are all
+// undefined (a defined one is an error).
 STAGEJIT_FUNC variable_list per_tensor_input(const HostBackward& hb, variable_list results) {
   const std::string& conv = hb.calling_convention;
+  if (results.size() > conv.size() && results.size() > hb.input_meta.size()) {
+    bool all_undefined = true;
+    for (std::size_t k = conv.size(); k < results.size(); ++k) all_undefined = all_undefined && !results[k].defined();
+    if (all_undefined) results.resize(conv.size());
+  }
   if (results.size() == hb.input_meta.size()) return results;
   STAGEJIT_CHECK(results.size() == conv.size(), "HostFunction '", hb.name, "': backward returned ",
                  results.size(), " gradients, expected ", hb.input_meta.size(),
                  " (one per tensor input) or ", conv.size(),
-                 " (one per forward argument, undefined for the non-tensor ones)");
+                 " (one per forward argument, undefined for the non-tensor ones; further undefined "
+                 "ones are dropped)");
   variable_list tensors;
   tensors.reserve(hb.input_meta.size());
   for (std::size_t k = 0; k < conv.size(); ++k) {
@@ -666,15 +729,22 @@ STAGEJIT_FUNC variable_list apply_host_backward(Function& self, HostBackward& hb
     TraceHookGuard suspend(hb.traceable ? current_trace_hook() : nullptr);
     results = hb.backward(hb.ctx.get(), grads);
     results = per_tensor_input(hb, std::move(results));
-    // As libtorch's validate_outputs: the shape and device must be the input's, another
-    // dtype is cast to the input's (inside the suspended hook: part of the opaque backward).
+    // As libtorch's validate_outputs (engine.cpp): a gradient of another shape that the
+    // input's shape broadcasts to is summed back to the input's shape (`at::sum_to`, here
+    // the differentiable `sum_to_size`: [2, 3] or [1, 3] for an input [3]), any other shape
+    // is a ShapeError; the device must be the input's; another dtype is cast to the input's
+    // (inside the suspended hook: part of the opaque backward).
     for (std::size_t i = 0; i < results.size(); ++i) {
       if (!results[i].defined()) continue;
       const InputMeta& meta = hb.input_meta[i];
-      STAGEJIT_CHECK_AS(ShapeError, results[i].sizes() == at::IntArrayRef(meta.sizes),
-                        "HostFunction '", hb.name, "': backward gradient ", i, " has shape ",
-                        shape_str(results[i].sizes()), ", expected ", shape_str(meta.sizes),
-                        " (the shape of input ", i, ")");
+      if (results[i].sizes() != at::IntArrayRef(meta.sizes)) {
+        STAGEJIT_CHECK_AS(ShapeError, at::is_expandable_to(meta.sizes, results[i].sizes()),
+                          "HostFunction '", hb.name, "': backward gradient ", i, " has shape ",
+                          shape_str(results[i].sizes()), ", expected ", shape_str(meta.sizes),
+                          " (the shape of input ", i, ") or a shape ", shape_str(meta.sizes),
+                          " broadcasts to (summed back to it, as libtorch does)");
+        results[i] = sum_to_size(results[i], std::vector<int64_t>(meta.sizes.begin(), meta.sizes.end()));
+      }
       STAGEJIT_CHECK(results[i].data().device() == meta.options.device(), "HostFunction '",
                      hb.name, "': backward gradient ", i, " is on device ",
                      results[i].data().device(), ", expected ", meta.options.device(),

@@ -148,6 +148,12 @@ struct Function : std::enable_shared_from_this<Function> {
   Function(FunctionKind k, std::vector<Edge> next, uint32_t inputs)
       : kind(std::move(k)), next_functions(std::move(next)), num_inputs(inputs),
         sequence_nr(next_sequence_nr()) {}
+  /// Hands the Functions it owns (next_functions, and those a SimpleEval, Eval or
+  /// EvalOutput holds) to `detail::release_function`, so a chain of any length is freed
+  /// without recursion (Note [Iterative release] in autograd/autograd-inl.hpp).
+  ~Function();
+  Function(const Function&) = delete;
+  Function& operator=(const Function&) = delete;
 
   /// A readable name: "MulBackward", "AccumulateGrad", "Eval", the host function's name.
   std::string name() const;
@@ -164,6 +170,14 @@ struct Function : std::enable_shared_from_this<Function> {
     return counter.fetch_add(1, std::memory_order_relaxed);
   }
 };
+
+namespace detail {
+/// Drops `fn` (left null). When this frees the Function, the Functions it owns are freed
+/// one after the other from a worklist instead of from inside its destructor, as
+/// libtorch's `deleteNode` (torch/csrc/autograd/function.cpp) does: a chain of 10^6
+/// Functions is freed with a bounded stack (Note [Iterative release]).
+void release_function(std::shared_ptr<Function>& fn) noexcept;
+}  // namespace detail
 
 /// Makes a Function of kind `k`.
 inline std::shared_ptr<Function> make_function(FunctionKind k, std::vector<Edge> next,

@@ -50,6 +50,8 @@ struct VariableImpl : std::enable_shared_from_this<VariableImpl> {
   /// `mutex`).
   std::vector<std::pair<uint64_t, std::shared_ptr<const PostAccumulateGradHook>>> post_accumulate_hooks;
   uint64_t next_hook_handle = 1;
+  /// Releases `grad_fn` through `detail::release_function` (no recursion along a chain).
+  ~VariableImpl();
 };
 }  // namespace detail
 
