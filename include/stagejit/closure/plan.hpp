@@ -23,6 +23,27 @@
 
 namespace stagejit::closure {
 
+// Note [Program order of random ops]
+// A compiled stage runs as a dataflow graph of Functions (closure/stage_closure.hpp): the
+// engine starts a Function once its inputs arrived, in an order that follows the edges,
+// not the program. Two random ops that do not depend on each other (`dropout(exp(a))`
+// and `dropout(b)`) may then draw from ATen's default generator in the other order than
+// the eager call did, and each gets the other's mask (the engine ran `dropout(b)` first
+// as soon as the fusion group before `dropout(exp(a))` had a second output to hand on).
+// So the nodes that must keep their program order (`keeps_program_order`: ops with side
+// effects, i.e. random and in-place ops, and host functions, which may draw) are
+// chained, per stage, in graph order: each waits for the previous one through an
+// order gate (StageClosure: a Function between its first tensor input and its producer
+// that also waits for the first output of the previous chained node). The graph
+// order is the program order: the passes never move these nodes past each other (the
+// fuser never groups them and places a group at its last member, DCE and CSE keep
+// them). The row-tiled region planner (closure/tiled_region.hpp) counts the chain as a
+// dependency when it keeps regions convex, so the gates make no cycle.
+
+/// True for nodes that run in graph order relative to each other in a compiled stage
+/// (Note [Program order of random ops]).
+inline bool keeps_program_order(const ir::Node& n) { return n.has_side_effects() || n.is<ir::HostOp>(); }
+
 class CrossStagePlan {
  public:
   /// Builds the plan. Throws `CompileError` naming the node when a node uses a value of a

@@ -106,6 +106,41 @@ struct StageClosure {
       for (ir::Node* n : region.nodes) fn_of_[n->id()] = fn;
       region_fns.push_back(std::move(fn));
     }
+    // The order gates (Note [Program order of random ops] in closure/plan.hpp): each node
+    // kept in program order waits for the previous one that has a tensor output. Its gate
+    // sits on its first tensor input (on the ConstantFactory's edge for a node without
+    // inputs): input 0 is that value, passed on unchanged, input 1 the previous node's
+    // first output, ignored.
+    struct OrderGate {
+      ir::Node* node;
+      ir::Node* after;  // the previous node of the chain
+      std::shared_ptr<Function> gate;
+      std::size_t slot;  // the input of the node the gate passes its input 0 to
+    };
+    std::vector<OrderGate> gates;  // in stage order
+    std::unordered_map<const ir::Node*, std::size_t> gate_of;
+    {
+      ir::Node* previous = nullptr;
+      for (ir::Node* n : nodes) {
+        if (!keeps_program_order(*n) || region_of.count(n)) continue;
+        std::optional<std::size_t> slot;
+        for (std::size_t i = 0; i < n->inputs().size() && !slot; ++i)
+          if (!n->input(i)->is_handle()) slot = i;
+        if (n->inputs().empty() && n->is<ir::Op>()) slot = 0;  // triggered by the ConstantFactory
+        if (previous && slot) {
+          auto gate = keep(make_function(AtenCall{"program_order", [](const variable_list& in) -> variable_list {
+                                                    return {in.empty() ? Variable() : in[0]};
+                                                  }},
+                                         {}, 2));
+          gate->origin = "program order: " + label(n) + " after " + label(previous);
+          gate_of.emplace(n, gates.size());
+          gates.push_back(OrderGate{n, previous, std::move(gate), *slot});
+        }
+        const bool has_tensor_output =
+            std::any_of(n->outputs().begin(), n->outputs().end(), [](ir::Value* o) { return !o->is_handle(); });
+        if (has_tensor_output) previous = n;
+      }
+    }
     // Where each value of this stage goes: (consumer, input slot) pairs.
     auto targets_of = [&](ir::Value* v) {
       std::vector<Edge> edges;
@@ -119,6 +154,10 @@ struct StageClosure {
           if ((made_in != region_of.end() && made_in->second == r) || to_region[r]) continue;
           to_region[r] = 1;
           edges.push_back(Edge{region_fns[r], static_cast<uint32_t>(regions[r].input_index(v))});
+          continue;
+        }
+        if (auto g = gate_of.find(u.user); g != gate_of.end() && gates[g->second].slot == u.offset) {
+          edges.push_back(Edge{gates[g->second].gate, 0});
           continue;
         }
         edges.push_back(Edge{function_of(u.user), static_cast<uint32_t>(u.offset)});
@@ -165,6 +204,22 @@ struct StageClosure {
       prev_slots.push_back(renumber(slot));
     }
     roots.push_back(Edge{factory, 0});
+    // Close the order gates: each passes its input 0 to its node, and hears from the
+    // previous node through a Replicate on that node's first tensor output (fill_next
+    // gives tensor outputs only: edge 0).
+    for (OrderGate& g : gates) {
+      ir::Node* n = g.node;
+      const std::shared_ptr<Function>& fn = function_of(n);
+      g.gate->next_functions = {Edge{fn, static_cast<uint32_t>(g.slot)}};
+      if (n->inputs().empty())
+        for (Edge& e : factory->next_functions)
+          if (e.function == fn) e = Edge{g.gate, 0};
+      Function& previous = *function_of(g.after);
+      STAGEJIT_CHECK_AS(CompileError, !previous.next_functions.empty(), "closure: ", label(g.after),
+                        " has no tensor output to order ", label(n), " after");
+      Edge& first = previous.next_functions[0];
+      first = Edge{keep(make_function(Replicate{}, {first, Edge{g.gate, 1}}, 1)), 0};
+    }
 
     // Captures of values later stages read.
     for (std::size_t slot : plan.captures(s)) {

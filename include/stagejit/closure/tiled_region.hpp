@@ -53,6 +53,7 @@
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
+#include <stagejit/closure/plan.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/overloaded.hpp>
 #include <stagejit/fusion/codegen.hpp>
@@ -67,6 +68,8 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <chrono>
+#include <future>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -312,9 +315,15 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
   };
 
   auto drop = [&](ir::Node* n) { level.erase(n); };
+  // The highest taint of the nodes kept in program order so far: each of them waits for
+  // the ones before it (Note [Program order of random ops] in closure/plan.hpp), so it
+  // carries their taint too. They never join a region (side effects, host functions).
+  int chain_carry = -1;
   for (ir::Node* n : nodes) {
     // The lowest level `n` may take, and the highest taint it would carry outside.
     int need = 0, carry = -1;
+    const bool ordered = keeps_program_order(*n);
+    if (ordered) carry = chain_carry;
     for (ir::Value* v : n->inputs()) {
       const ir::Node* p = v->node();
       if (auto it = level.find(p); it != level.end()) {
@@ -340,6 +349,10 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
       } else {
         need = tl;
       }
+    }
+    if (ordered) {
+      chain_carry = std::max(chain_carry, carry);
+      l = RowLayout::Bad;
     }
     if (l == RowLayout::Bad) {
       if (carry >= 0) taint[n] = carry;
@@ -915,7 +928,13 @@ class TiledRegionRunner {
   // first call from tensors shaped as a tile; empty when some group cannot use a kernel.
   const std::vector<std::shared_ptr<const fusion::CpuKernel>>& kernels_for(
       const std::vector<at::Tensor>& in) const {
-    std::call_once(kernels_once_, [&] {
+    // Planned once; a call made while a kernel is still being compiled (fusion::
+    // waits_for_kernels) runs the region untiled and plans again next time.
+    std::lock_guard<std::mutex> lock(kernels_mutex_);
+    if (kernels_planned_) return kernels_;
+    static const std::vector<std::shared_ptr<const fusion::CpuKernel>> not_yet;
+    bool deferred = false;
+    [&] {
       std::vector<std::shared_ptr<const fusion::CpuKernel>> ks(steps_.size());
       const auto options = at::TensorOptions().dtype(region_.dtype).device(at::kCPU);
       for (std::size_t i = 0; i < steps_.size(); ++i) {
@@ -935,7 +954,15 @@ class TiledRegionRunner {
         }
         fusion::detail::GroupPlan plan;
         try {
-          plan = fusion::detail::plan_group(*f->subgraph, ir::to_string(*f->subgraph), sample, {}, f->name);
+          plan = fusion::detail::plan_group(*f->subgraph, ir::to_string(*f->subgraph), sample, {}, f->name,
+                                            /*may_defer=*/true);
+          if (plan.pending.valid()) {
+            if (plan.pending.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+              deferred = true;
+              return;
+            }
+            plan.kernel = plan.pending.get();
+          }
         } catch (const Error&) {
           if (optional) continue;
           return;
@@ -947,7 +974,9 @@ class TiledRegionRunner {
         ks[i] = plan.kernel;
       }
       kernels_ = std::move(ks);
-    });
+    }();
+    if (deferred) return not_yet;
+    kernels_planned_ = true;
     return kernels_;
   }
 
@@ -958,7 +987,8 @@ class TiledRegionRunner {
   std::vector<Step> steps_;
   std::vector<int64_t> slot_cols_;
   std::size_t reductions_ = 0;
-  mutable std::once_flag kernels_once_;
+  mutable std::mutex kernels_mutex_;
+  mutable bool kernels_planned_ = false;
   mutable std::vector<std::shared_ptr<const fusion::CpuKernel>> kernels_;
 };
 
