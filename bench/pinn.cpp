@@ -18,10 +18,12 @@
 // call only): the floor no compiler of this step removes.
 //
 // Options: --dtype float|double (default float), --collocation N (default 10 000),
-// --rounds R (default 20), --warmup W (default 3), --seed S.
+// --rounds R (default 20), --warmup W (default 3), --seed S, --first-call MODE (only the
+// first call of one compiled mode, in a fresh kernel cache, and where its time goes).
 #include "../examples/cli.hpp"
 #include "../examples/pinn/burgers.hpp"
 #include "bench_util.hpp"
+#include "first_call.hpp"
 
 #include <ATen/record_function.h>
 #include <CLI/CLI.hpp>
@@ -177,7 +179,20 @@ int main(int argc, char** argv) {
   app.add_flag("--level-field", level_field,
                "glibc keeps freed memory in the heap (mallopt, as bench/closure's level field), so "
                "no mode pays page faults for fresh blocks: libtorch's time stops being bimodal");
+  std::string first_call;
+  app.add_option("--first-call", first_call,
+                 "Only the first call of one compiled mode, in a fresh temporary kernel cache: its time "
+                 "and where it goes (trace, passes, closures, compiler runs, loading)")
+      ->check(CLI::IsMember({"staged", "compile-loss"}));
   if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
+  std::string fresh_cache;
+  if (!first_call.empty()) {
+    fresh_cache = sj::bench::use_fresh_kernel_cache();
+    if (fresh_cache.empty()) {
+      std::fprintf(stderr, "error: --first-call: cannot create a temporary kernel cache folder\n");
+      return 2;
+    }
+  }
 
   if (level_field && (mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 || mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1)) {
     std::fprintf(stderr, "error: mallopt refused the level-field settings\n");
@@ -198,6 +213,25 @@ int main(int argc, char** argv) {
   const ReferenceSolution ref = reference_solution();
   const TrainingData data = make_training_data(ref, 100, n_f, seed + 1).to(dtype);
   const Params params = xavier_init(paper_layers(), seed, dtype);
+
+  if (!first_call.empty()) {
+    const bool staged = first_call == "staged";
+    Stepper stepper(staged ? Mode::Compiled : Mode::CompileLoss, data, cross_stage, tile_rows, !no_remat);
+    Params g;
+    const double ms = sj::bench::once_ms([&] { (void)stepper.step(params, g); });
+    std::printf("kernel cache: %s (fresh)\n", fresh_cache.c_str());
+    sj::bench::print_first_call(staged ? "the staged compiled step" : "the compile-loss step", ms,
+                                {stepper.compiled_net().stats(), stepper.compiled_loss().stats()});
+    const double again = sj::bench::once_ms([&] { (void)stepper.step(params, g); });
+    std::printf("  second call %.1f ms\n", again);
+    const double wait = sj::bench::once_ms([] { sj::fusion::default_cpu_backend().wait_for_prefetches(); });
+    sj::bench::print_first_call("all kernels built", ms + again + wait,
+                                {stepper.compiled_net().stats(), stepper.compiled_loss().stats()});
+    std::printf("  (the kernels finished %.0f ms after the second call)\n", wait);
+    const double fused = sj::bench::once_ms([&] { (void)stepper.step(params, g); });
+    std::printf("  next call, with the kernels %.1f ms\n", fused);
+    return 0;
+  }
 
   const Mode modes[] = {Mode::Compiled, Mode::CompileLoss, Mode::Eager, Mode::Libtorch};
   const char* labels[] = {"staged compiled (net, 3 derivatives)", "compile-loss (1 derivative)",
@@ -222,6 +256,9 @@ int main(int argc, char** argv) {
     first_ms[m] = sj::bench::once_ms([&] { loss[m] = steppers[m]->step(params, grads[m]); });
   std::printf("  first call (trace + compile): staged compiled %.0f ms, compile-loss %.0f ms\n", first_ms[0],
               first_ms[1]);
+  // The compiled modes' kernels are built in the background while their first calls run
+  // op by op (fusion::waits_for_kernels); the timed rounds measure them with kernels.
+  sj::fusion::default_cpu_backend().wait_for_prefetches();
   double worst = 0;
   for (std::size_t m = 0; m + 1 < kModes; ++m) {
     const double d = max_rel_diff(loss[m], grads[m], loss[3], grads[3]);

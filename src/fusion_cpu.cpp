@@ -11,15 +11,19 @@
 #include <spawn.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <fstream>
 #include <future>
 #include <mutex>
@@ -90,10 +94,20 @@ void install_file(const fs::path& path, const std::string& text) {
   STAGEJIT_CHECK_AS(FusionError, !ec, "fusion: cannot install ", path.string(), ": ", ec.message());
 }
 
-/// Runs `argv` with stdout and stderr redirected to `log`; returns the exit status (or
-/// 128 + signal). Throws FusionError when the program cannot be started.
-int run_program(const std::vector<std::string>& argv, const fs::path& log) {
-  STAGEJIT_CHECK_AS(FusionError, !argv.empty(), "fusion: empty compiler command (set $STAGEJIT_CXX)");
+/// What a finished compiler run cost: its exit status (or 128 + signal), wall and CPU
+/// seconds (the child's user + system time, from wait4).
+struct RunResult {
+  int status = 255;
+  double wall_seconds = 0;
+  double cpu_seconds = 0;
+};
+
+/// Runs `argv` with stdout and stderr redirected to `log`. Throws FusionError when the
+/// program cannot be started, naming it and `$STAGEJIT_CXX`.
+RunResult run_program(const std::vector<std::string>& argv, const fs::path& log) {
+  STAGEJIT_CHECK_AS(FusionError, !argv.empty() && !argv[0].empty(),
+                    "fusion: empty compiler command (set $STAGEJIT_CXX to a C++ compiler, or unset it for `c++`)");
+  const auto t0 = std::chrono::steady_clock::now();
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -107,13 +121,18 @@ int run_program(const std::vector<std::string>& argv, const fs::path& log) {
   STAGEJIT_CHECK_AS(FusionError, rc == 0, "fusion: cannot run the kernel compiler `", argv[0], "`: ", std::strerror(rc),
                     " (set $STAGEJIT_CXX to a C++ compiler)");
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0) {
+  struct rusage usage {};
+  while (::wait4(pid, &status, 0, &usage) < 0) {
     STAGEJIT_CHECK_AS(FusionError, errno == EINTR, "fusion: waiting for the kernel compiler failed: ",
                       std::strerror(errno));
   }
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 255;
+  RunResult r;
+  r.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.cpu_seconds = double(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+                  1e-6 * double(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
+  if (WIFEXITED(status)) r.status = WEXITSTATUS(status);
+  else if (WIFSIGNALED(status)) r.status = 128 + WTERMSIG(status);
+  return r;
 }
 
 /// An exclusive advisory lock on a file, released on destruction.
@@ -142,10 +161,28 @@ class FileLock {
   int fd_ = -1;
 };
 
-/// Whether a compiler log blames a precompiled header.
+/// Whether a compiler log blames a precompiled header (GCC: "one or more PCH files were
+/// found, but they were invalid", "while reading precompiled header", "x.hpp.gch: ...").
 bool mentions_pch(std::string log) {
   std::transform(log.begin(), log.end(), log.begin(), [](unsigned char c) { return std::tolower(c); });
-  return log.find(".gch") != std::string::npos || log.find("pch") != std::string::npos;
+  return log.find(".gch") != std::string::npos || log.find("pch") != std::string::npos ||
+         log.find("precompiled header") != std::string::npos;
+}
+
+/// Whether `s` is a C identifier (an entry point name the kernel's symbol replaces).
+bool is_identifier(const std::string& s) {
+  if (s.empty() || std::isdigit(static_cast<unsigned char>(s[0]))) return false;
+  return std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isalnum(c) || c == '_'; });
+}
+
+/// What a CPU kernel's code depends on besides its source: device and dtypes. Rank and
+/// contiguity are run-time arguments of the generated loop (`sjk::elementwise`), so
+/// calls that differ only in them share one kernel.
+std::string canonical_key(const KernelKey& key) {
+  std::string s = to_string(key.device);
+  for (const auto& d : key.inputs) s += std::string(",i") + c10::toString(d.dtype);
+  for (const auto& d : key.outputs) s += std::string(",o") + c10::toString(d.dtype);
+  return s;
 }
 
 std::string cpu_flags_line() {
@@ -169,7 +206,7 @@ CpuBackendOptions CpuBackendOptions::from_environment() {
   o.compiler = split_words(env_or("STAGEJIT_CXX", "c++"));
   // -ffp-contract=off: no FMA contraction of a*b+c, so fused results round like ATen's
   // op-by-op kernels.
-  o.flags = {"-std=c++17", "-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-w"};
+  o.flags = {"-std=c++17", "-O2", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-w"};
 #ifdef STAGEJIT_TORCH_INCLUDE
   // The libtorch stagejit was built against (-Dlibtorch=PATH): its ATen headers.
   o.flags.push_back("-isystem");
@@ -182,6 +219,15 @@ CpuBackendOptions CpuBackendOptions::from_environment() {
   o.flags.push_back("-DSTAGEJIT_NO_SLEEF=1");
 #endif
   o.cache_dir = default_cache_dir();
+  if (const char* j = std::getenv("STAGEJIT_FUSION_JOBS"); j && *j) {
+    char* end = nullptr;
+    errno = 0;
+    const long v = std::strtol(j, &end, 10);
+    STAGEJIT_CHECK_AS(FusionError, errno == 0 && end && *end == '\0' && v >= 0 && v <= 1024,
+                      "fusion: $STAGEJIT_FUSION_JOBS must be a number of concurrent compiler runs in [0, 1024] ",
+                      "(0: one per core), got '", j, "'");
+    o.jobs = int(v);
+  }
   return o;
 }
 
@@ -219,14 +265,140 @@ void CpuKernel::run(const PackedArgs& args, int64_t grain) const {
 
 // ------------------------------------------------------------------------- CpuBackend
 
+namespace {
+
+using KernelPtr = std::shared_ptr<const CpuKernel>;
+
+/// One kernel a build is responsible for: its source, cache hash and the promise its
+/// waiters hold the future of.
+struct BuildItem {
+  KernelSource source;
+  std::string hash;
+  std::promise<KernelPtr> promise;
+  bool done = false;
+
+  void set(KernelPtr k) {
+    if (done) return;
+    done = true;
+    promise.set_value(std::move(k));
+  }
+  void fail(std::exception_ptr e) {
+    if (done) return;
+    done = true;
+    promise.set_exception(std::move(e));
+  }
+};
+
+/// The exported symbol of the kernel with cache hash `hash`: binds a shared object to the
+/// entry it was built for (a `.so` installed under another entry's name has no such
+/// symbol, so it is found corrupt and rebuilt instead of run).
+std::string symbol_of(const std::string& hash) { return "sjk_" + hash; }
+
+}  // namespace
+
 struct CpuBackend::Impl {
   CpuBackendOptions options;
+  std::string prelude;  // cpu_prelude(), copied: compile threads may outlive function statics
   std::once_flag identity_once;
   std::string identity;
   std::mutex mutex;
-  std::unordered_map<std::string, std::shared_future<std::shared_ptr<const CpuKernel>>> kernels;
-  std::atomic<int64_t> compiles{0}, disk_hits{0}, memory_hits{0}, corrupt{0}, prelude_builds{0};
+  std::unordered_map<std::string, std::shared_future<KernelPtr>> kernels;
+  std::atomic<int64_t> compiles{0}, kernels_compiled{0}, disk_hits{0}, memory_hits{0}, corrupt{0}, prelude_builds{0};
+  std::atomic<int64_t> compile_wall_us{0}, compile_cpu_us{0}, load_us{0};
   std::atomic<bool> pch_disabled{false};
+  std::atomic<bool> pch_rebuilt{false};
+  // The build queue: kernels claimed and not yet built wait here; up to `jobs()` worker
+  // threads take batches from it (one compiler run each), so kernels asked for while
+  // others compile join the next runs instead of starting more compilers than cores.
+  std::mutex queue_mutex;
+  std::condition_variable queue_idle;
+  std::deque<std::unique_ptr<BuildItem>> queue;
+  std::vector<std::thread> workers;
+  std::size_t active_workers = 0;
+  std::size_t busy_workers = 0;  // workers building a batch
+
+  ~Impl() { join_all(); }
+
+  std::size_t jobs() const {
+    return options.jobs > 0 ? std::size_t(options.jobs) : std::max<std::size_t>(1, std::thread::hardware_concurrency());
+  }
+
+  /// Waits until the queue is empty and no worker runs, then joins the finished threads.
+  void join_all() {
+    std::vector<std::thread> done;
+    {
+      std::unique_lock<std::mutex> lock(queue_mutex);
+      queue_idle.wait(lock, [&] { return queue.empty() && active_workers == 0; });
+      done.swap(workers);
+    }
+    for (auto& t : done)
+      if (t.joinable()) t.join();
+  }
+
+  /// Queues `items` and starts workers up to `jobs()`.
+  void launch(std::vector<BuildItem> items) {
+    std::lock_guard<std::mutex> lock(queue_mutex);
+    for (auto& it : items) queue.push_back(std::make_unique<BuildItem>(std::move(it)));
+    while (active_workers < jobs() && active_workers < queue.size()) {
+      ++active_workers;
+      try {
+        workers.emplace_back([this] { work(); });
+      } catch (...) {
+        --active_workers;  // no thread: the queued items wait for a later launch or `get`
+        if (active_workers == 0) {
+          for (auto& it : queue) it->fail(std::current_exception());
+          queue.clear();
+        }
+        throw;
+      }
+    }
+  }
+
+  /// A worker: takes a share of the queue (its length over the number of workers,
+  /// rounded up), builds it with one compiler run, and goes on until the queue is empty.
+  void work() {
+    for (;;) {
+      std::vector<std::unique_ptr<BuildItem>> batch;
+      {
+        std::lock_guard<std::mutex> lock(queue_mutex);
+        if (queue.empty()) {
+          --active_workers;
+          if (active_workers == 0) {
+            queue_idle.notify_all();
+          }
+          break;
+        }
+        const std::size_t idle = std::max<std::size_t>(1, active_workers - busy_workers);
+        const std::size_t n = (queue.size() + idle - 1) / idle;
+        ++busy_workers;
+        for (std::size_t i = 0; i < n && !queue.empty(); ++i) {
+          batch.push_back(std::move(queue.front()));
+          queue.pop_front();
+        }
+      }
+      std::vector<BuildItem*> items;
+      for (auto& it : batch) items.push_back(it.get());
+      build_items(items);
+      {
+        std::lock_guard<std::mutex> lock(queue_mutex);
+        --busy_workers;
+      }
+      auto left = std::make_exception_ptr(FusionError("fusion: internal error: a kernel build ended without a result"));
+      for (auto& it : batch) it->fail(left);
+    }
+  }
+
+  /// The compiler command; FusionError naming `$STAGEJIT_CXX` when it is blank.
+  const std::vector<std::string>& compiler() const {
+    if (options.compiler.empty() || options.compiler[0].empty()) {
+      const char* env = std::getenv("STAGEJIT_CXX");
+      detail::throw_error<FusionError>("fusion: no kernel compiler: ",
+                                       env ? "$STAGEJIT_CXX is set to '" + std::string(env) + "', which names no command"
+                                           : std::string("the backend's compiler command is empty"),
+                                       " (set $STAGEJIT_CXX to a C++ compiler, or unset it for `c++`)");
+    }
+    return options.compiler;
+  }
 
   const std::string& compiler_identity() {
     std::call_once(identity_once, [&] {
@@ -234,9 +406,9 @@ struct CpuBackend::Impl {
       try {
         fs::create_directories(options.cache_dir);
         const fs::path log = temp_name(options.cache_dir / "compiler-version");
-        std::vector<std::string> argv = options.compiler;
+        std::vector<std::string> argv = compiler();
         argv.push_back("--version");
-        if (run_program(argv, log) == 0) version = read_file(log);
+        if (run_program(argv, log).status == 0) version = read_file(log);
         std::error_code ec;
         fs::remove(log, ec);
       } catch (const std::exception&) {
@@ -249,19 +421,29 @@ struct CpuBackend::Impl {
 
   std::string hash_of(const KernelSource& src) {
     std::string text;
-    text += cpu_prelude();
-    text += '\x01' + src.source + '\x01' + src.entry + '\x01' + src.key.to_string();
+    text += prelude;
+    text += '\x01' + src.source + '\x01' + src.entry + '\x01' + canonical_key(src.key);
     text += '\x01' + join(options.compiler) + '\x01' + join(options.flags) + '\x01' + join(options.link_flags);
     text += '\x01' + compiler_identity();
     return sha1_hex(text);
   }
 
+  fs::path cache_dir() {
+    const fs::path dir = options.cache_dir;
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    STAGEJIT_CHECK_AS(FusionError, !ec, "fusion: cannot create the kernel cache folder ", dir.string(), ": ",
+                      ec.message(), " (set $STAGEJIT_FUSION_CACHE_DIR)");
+    return dir;
+  }
+
   /// Loads a valid disk entry, or returns null (removing an entry found corrupt).
-  std::shared_ptr<const CpuKernel> try_load(const KernelSource& src, const fs::path& so, const fs::path& sum,
-                                            std::string* why) {
+  KernelPtr try_load(const KernelSource& src, const std::string& hash, const fs::path& dir, std::string* why) {
+    const fs::path so = dir / (hash + ".so");
+    const fs::path sum = dir / (hash + ".sum");
     std::error_code ec;
     if (!fs::exists(so, ec) && !fs::exists(sum, ec)) return nullptr;
-    auto corrupt_entry = [&](const std::string& reason) -> std::shared_ptr<const CpuKernel> {
+    auto corrupt_entry = [&](const std::string& reason) -> KernelPtr {
       if (why) *why = reason;
       ++corrupt;
       fs::remove(so, ec);
@@ -269,24 +451,28 @@ struct CpuBackend::Impl {
       return nullptr;
     };
     if (!fs::exists(so, ec) || !fs::exists(sum, ec)) return corrupt_entry("incomplete entry");
+    const auto t0 = std::chrono::steady_clock::now();
     if (sha1_hex(read_file(so)) != read_file(sum)) return corrupt_entry("checksum mismatch");
     void* handle = ::dlopen(so.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!handle) return corrupt_entry(std::string("dlopen: ") + ::dlerror());
-    void* sym = ::dlsym(handle, src.entry.c_str());
+    const std::string symbol = symbol_of(hash);
+    void* sym = ::dlsym(handle, symbol.c_str());
     if (!sym) {
       ::dlclose(handle);
-      return corrupt_entry("no symbol `" + src.entry + "`");
+      return corrupt_entry("no symbol `" + symbol + "` for the entry point `" + src.entry +
+                           "` (the source defines no such entry point, or the library belongs to another kernel)");
     }
+    load_us += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
     return std::make_shared<const CpuKernel>(handle, reinterpret_cast<CpuKernel::EntryFn>(sym), src.entry, so,
                                              src.key);
   }
 
   /// The prelude as a header in the cache folder, with a precompiled `.gch` next to it
   /// when the compiler can build one (GCC then skips parsing ATen's vec headers: about
-  /// 1.7 s less per kernel). GCC ignores a `.gch` built for other options; one that
-  /// fails a compile is removed (load_or_build). The name hashes prelude, compiler, flags.
-  fs::path prelude_header(const fs::path& dir) {
-    const std::string h = sha1_hex(cpu_prelude() + '\x01' + join(options.compiler) + '\x01' + join(options.flags) +
+  /// 1.7 s less per compiler run). GCC ignores a `.gch` built for other options. The name
+  /// hashes prelude, compiler, flags. `rebuild`: remove the `.gch` first and build it again.
+  fs::path prelude_header(const fs::path& dir, bool rebuild = false, bool build_pch = true) {
+    const std::string h = sha1_hex(prelude + '\x01' + join(options.compiler) + '\x01' + join(options.flags) +
                                    '\x01' + compiler_identity())
                               .substr(0, 16);
     const fs::path header = dir / ("prelude-" + h + ".hpp");
@@ -294,21 +480,23 @@ struct CpuBackend::Impl {
     std::error_code ec;
     // Checked on every compile (a few KiB, next to a compile of seconds): a damaged
     // header would otherwise fail every kernel.
-    if (read_file(header) == cpu_prelude() && (pch_disabled || fs::exists(pch, ec))) return header;
+    if (!rebuild && read_file(header) == prelude && (pch_disabled || !build_pch || fs::exists(pch, ec)))
+      return header;
     FileLock lock(dir / ("prelude-" + h + ".lock"));
-    if (read_file(header) != cpu_prelude()) {
-      install_file(header, cpu_prelude());
+    if (read_file(header) != prelude) {
+      install_file(header, prelude);
       fs::remove(pch, ec);  // built from other text
     }
-    if (!pch_disabled && !fs::exists(pch, ec)) {
+    if (rebuild) fs::remove(pch, ec);
+    if (build_pch && !pch_disabled && !fs::exists(pch, ec)) {
       const fs::path tmp = temp_name(pch);
       const fs::path log = temp_name(dir / ("prelude-" + h + ".log"));
-      std::vector<std::string> argv = options.compiler;
+      std::vector<std::string> argv = compiler();
       for (const auto& f : options.flags)
         if (f != "-shared") argv.push_back(f);
       argv.insert(argv.end(), {"-x", "c++-header", header.string(), "-o", tmp.string()});
       ++prelude_builds;
-      if (run_program(argv, log) == 0) {
+      if (run_program(argv, log).status == 0) {
         fs::rename(tmp, pch, ec);
       } else {
         pch_disabled = true;  // kernels include the plain header
@@ -319,72 +507,219 @@ struct CpuBackend::Impl {
     return header;
   }
 
-  std::shared_ptr<const CpuKernel> load_or_build(const KernelSource& src, const std::string& hash) {
-    const fs::path dir = options.cache_dir;
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    STAGEJIT_CHECK_AS(FusionError, !ec, "fusion: cannot create the kernel cache folder ", dir.string(), ": ",
-                      ec.message(), " (set $STAGEJIT_FUSION_CACHE_DIR)");
-    const fs::path so = dir / (hash + ".so");
-    const fs::path sum = dir / (hash + ".sum");
-    const fs::path cpp = dir / (hash + ".cpp");
-    FileLock lock(dir / (hash + ".lock"));
-
-    if (auto k = try_load(src, so, sum, nullptr)) {
-      ++disk_hits;
-      return k;
+  /// The translation unit of `items`: the prelude (included, so its `.gch` is used, or
+  /// inline), then each kernel's source in a namespace of its own with its entry point
+  /// renamed to its symbol (`symbol_of`).
+  std::string unit_text(const std::vector<BuildItem*>& items, const fs::path& header, bool inline_prelude) const {
+    std::string text = inline_prelude ? prelude + "\n" : "#include \"" + header.string() + "\"\n";
+    text += "#include <cstdint>\n#include <limits>\n";
+    for (const BuildItem* it : items) {
+      text += "// kernel " + it->hash + " (" + it->source.key.to_string() + ")\nnamespace sjk_unit_" + it->hash +
+              " {\n#define " + it->source.entry + " " + symbol_of(it->hash) + "\n" + it->source.source + "\n#undef " +
+              it->source.entry + "\n}  // namespace sjk_unit_" + it->hash + "\n";
     }
+    return text;
+  }
 
-    const fs::path header = prelude_header(dir);
-    install_file(cpp, "#include \"" + header.string() + "\"\n" + src.source + "\n");
-    const fs::path so_tmp = temp_name(so);
-    const fs::path log = dir / (hash + ".log");
-    std::vector<std::string> argv = options.compiler;
-    argv.insert(argv.end(), options.flags.begin(), options.flags.end());
-    argv.insert(argv.end(), {"-o", so_tmp.string(), cpp.string()});
-    argv.insert(argv.end(), options.link_flags.begin(), options.link_flags.end());
-    ++compiles;
-    int status = run_program(argv, log);
-    const fs::path pch = fs::path(header.string() + ".gch");
-    if (status != 0 && fs::exists(pch, ec) && mentions_pch(read_file(log))) {
-      // A damaged precompiled prelude: retry with the prelude text inline, and stop
-      // using precompiled preludes in this process.
-      pch_disabled = true;
-      fs::remove(pch, ec);
-      const fs::path plain = dir / (hash + ".nopch.cpp");
-      install_file(plain, cpu_prelude() + "\n" + src.source + "\n");
-      std::vector<std::string> retry = argv;
-      retry[retry.size() - 1 - options.link_flags.size()] = plain.string();
+  /// One compiler run over `items` into the shared object `so_tmp`, retrying once with a
+  /// rebuilt precompiled prelude and then with the prelude inline when the log blames the
+  /// `.gch`. Returns the exit status; the log is left at `log`, the unit at `cpp`.
+  int compile_unit(const fs::path& dir, const std::vector<BuildItem*>& items, const fs::path& cpp,
+                   const fs::path& so_tmp, const fs::path& log) {
+    std::vector<std::string> argv;
+    auto run = [&](bool inline_prelude, bool rebuild_pch) {
+      // A missing `.gch` is not waited for (building it takes longer than parsing the
+      // prelude in a few runs): the run includes the prelude inline, and `build_items`
+      // builds the `.gch` afterwards for later runs.
+      const fs::path header = prelude_header(dir, rebuild_pch, /*build_pch=*/rebuild_pch);
+      std::error_code ec2;
+      const bool have_pch = !pch_disabled && fs::exists(header.string() + ".gch", ec2);
+      install_file(cpp, unit_text(items, header, inline_prelude || !have_pch));
+      argv = compiler();
+      argv.insert(argv.end(), options.flags.begin(), options.flags.end());
+      argv.insert(argv.end(), {"-o", so_tmp.string(), cpp.string()});
+      argv.insert(argv.end(), options.link_flags.begin(), options.link_flags.end());
       ++compiles;
-      const fs::path log2 = dir / (hash + ".nopch.log");
-      if (run_program(retry, log2) == 0) status = 0;
-      fs::remove(plain, ec);
-      fs::remove(log2, ec);
+      const RunResult r = run_program(argv, log);
+      compile_wall_us += int64_t(r.wall_seconds * 1e6);
+      compile_cpu_us += int64_t(r.cpu_seconds * 1e6);
+      return r.status;
+    };
+    int status = run(false, false);
+    std::error_code ec;
+    if (status != 0 && !pch_disabled && mentions_pch(read_file(log))) {
+      // A damaged precompiled prelude: build it again, once per process; if the fresh one
+      // fails too, stop using precompiled preludes in this process (prelude inline).
+      if (!pch_rebuilt.exchange(true)) status = run(false, true);
+      if (status != 0 && mentions_pch(read_file(log))) {
+        pch_disabled = true;
+        fs::remove(prelude_header(dir).string() + ".gch", ec);
+        status = run(true, false);
+      }
+    }
+    last_command = join(argv);
+    return status;
+  }
+  thread_local static std::string last_command;
+
+  /// Builds `items` (all of whose cache locks the caller holds) with one compiler run and
+  /// installs an entry per kernel: `<hash>.so` (hard links to the one shared object) and
+  /// `<hash>.sum`. When the run fails and there are several items, builds each alone so
+  /// that the failure is reported for its own kernel. Fulfils every item.
+  void compile_and_install(const fs::path& dir, std::vector<BuildItem*> items) {
+    if (items.empty()) return;
+    const std::string unit = items.size() == 1 ? items[0]->hash : "batch-" + sha1_hex([&] {
+      std::string all;
+      for (const BuildItem* it : items) all += it->hash;
+      return all;
+    }()).substr(0, 16);
+    const fs::path cpp = dir / (unit + ".cpp");
+    const fs::path log = dir / (unit + ".log");
+    const fs::path so_tmp = temp_name(dir / (unit + ".so"));
+    std::error_code ec;
+    int status = 255;
+    try {
+      status = compile_unit(dir, items, cpp, so_tmp, log);
+    } catch (...) {
+      fs::remove(so_tmp, ec);
+      for (BuildItem* it : items) it->fail(std::current_exception());
+      return;
     }
     if (status != 0) {
       fs::remove(so_tmp, ec);
-      detail::throw_error<FusionError>("fusion: compiling kernel `", src.entry, "` (", src.key.to_string(),
-                                       ") failed with exit status ", status, "\n  source: ", cpp.string(),
-                                       " (after the prelude ", header.string(), ")\n  command: ", join(argv), "\n  compiler log (", log.string(), "):\n",
-                                       read_file(log));
+      if (items.size() > 1) {
+        fs::remove(cpp, ec);
+        fs::remove(log, ec);
+        for (BuildItem* it : items) compile_and_install(dir, {it});
+        return;
+      }
+      BuildItem* it = items[0];
+      try {
+        detail::throw_error<FusionError>("fusion: compiling kernel `", it->source.entry, "` (", it->source.key.to_string(),
+                                         ") failed with exit status ", status, "\n  source: ", cpp.string(),
+                                         "\n  command: ", last_command, "\n  compiler log (", log.string(), "):\n",
+                                         read_file(log));
+      } catch (...) {
+        it->fail(std::current_exception());
+      }
+      return;
     }
+    kernels_compiled += int64_t(items.size());
     fs::remove(log, ec);
-    install_file(sum, sha1_hex(read_file(so_tmp)));
-    fs::rename(so_tmp, so, ec);
-    STAGEJIT_CHECK_AS(FusionError, !ec, "fusion: cannot install ", so.string(), ": ", ec.message());
-    std::string why;
-    auto k = try_load(src, so, sum, &why);
-    if (!k) {
-      --corrupt;  // not a corrupt cache entry: the fresh build itself does not load
-      detail::throw_error<FusionError>("fusion: kernel `", src.entry, "` compiled from ", cpp.string(),
-                                       " cannot be loaded: ", why);
+    fs::remove(cpp, ec);
+    const std::string checksum = sha1_hex(read_file(so_tmp));
+    for (BuildItem* it : items) {
+      try {
+        const fs::path so = dir / (it->hash + ".so");
+        const fs::path link = temp_name(so);
+        fs::create_hard_link(so_tmp, link, ec);
+        if (ec) fs::copy_file(so_tmp, link, ec);
+        STAGEJIT_CHECK_AS(FusionError, !ec, "fusion: cannot install ", so.string(), ": ", ec.message());
+        install_file(dir / (it->hash + ".sum"), checksum);
+        fs::rename(link, so, ec);
+        STAGEJIT_CHECK_AS(FusionError, !ec, "fusion: cannot install ", so.string(), ": ", ec.message());
+        std::string why;
+        auto k = try_load(it->source, it->hash, dir, &why);
+        if (!k) {
+          --corrupt;  // not a corrupt cache entry: the fresh build itself does not load
+          detail::throw_error<FusionError>("fusion: kernel `", it->source.entry, "` (", it->source.key.to_string(),
+                                           ") was compiled but cannot be loaded: ", why);
+        }
+        it->set(std::move(k));
+      } catch (...) {
+        it->fail(std::current_exception());
+      }
     }
-    return k;
+    fs::remove(so_tmp, ec);
+  }
+
+  /// Serves `items` from the disk cache or builds them: under the cache locks of all of
+  /// them (taken in hash order, so processes building overlapping sets cannot deadlock),
+  /// loads the entries present and compiles the rest with one compiler run.
+  void build_batch(const fs::path& dir, std::vector<BuildItem*> items) {
+    std::sort(items.begin(), items.end(), [](const BuildItem* a, const BuildItem* b) { return a->hash < b->hash; });
+    std::vector<std::unique_ptr<FileLock>> locks;
+    std::vector<BuildItem*> missing;
+    try {
+      for (BuildItem* it : items) locks.push_back(std::make_unique<FileLock>(dir / (it->hash + ".lock")));
+      for (BuildItem* it : items) {
+        if (auto k = try_load(it->source, it->hash, dir, nullptr)) {
+          ++disk_hits;
+          it->set(std::move(k));
+        } else {
+          missing.push_back(it);
+        }
+      }
+    } catch (...) {
+      for (BuildItem* it : items) it->fail(std::current_exception());
+      return;
+    }
+    compile_and_install(dir, missing);
+  }
+
+  /// Builds `items` with one compiler run (after the disk cache), then the precompiled
+  /// prelude for later runs when it is missing. Fulfils every item.
+  void build_items(const std::vector<BuildItem*>& items) {
+    if (items.empty()) return;
+    fs::path dir;
+    try {
+      dir = cache_dir();
+      compiler();
+    } catch (...) {
+      for (BuildItem* it : items) it->fail(std::current_exception());
+      return;
+    }
+    build_batch(dir, items);
+    try {
+      prelude_header(dir);
+    } catch (const std::exception&) {
+      // Kernels are built without it.
+    }
+  }
+
+  /// Registers every source of `sources` not already known (in the process) and returns
+  /// the build items this caller is responsible for; `futures` gets each source's future.
+  std::vector<BuildItem> claim(const std::vector<KernelSource>& sources,
+                               std::vector<std::shared_future<KernelPtr>>* futures) {
+    std::vector<BuildItem> mine;
+    std::vector<std::string> hashes;
+    for (const auto& s : sources) hashes.push_back(hash_of(s));
+    std::lock_guard<std::mutex> lock(mutex);
+    for (std::size_t i = 0; i < sources.size(); ++i) {
+      auto it = kernels.find(hashes[i]);
+      if (it != kernels.end()) {
+        if (futures) futures->push_back(it->second);
+        continue;
+      }
+      BuildItem item;
+      item.source = sources[i];
+      item.hash = hashes[i];
+      auto f = item.promise.get_future().share();
+      kernels.emplace(hashes[i], f);
+      if (futures) futures->push_back(f);
+      mine.push_back(std::move(item));
+    }
+    return mine;
   }
 };
 
+thread_local std::string CpuBackend::Impl::last_command;
+
+namespace {
+
+void check_cpu_source(const KernelSource& source) {
+  STAGEJIT_CHECK_AS(FusionError, !source.entry.empty(), "fusion kernel source without an entry point name");
+  STAGEJIT_CHECK_AS(FusionError, is_identifier(source.entry), "fusion kernel entry point `", source.entry,
+                    "` is not a C identifier");
+  STAGEJIT_CHECK_AS(FusionError, source.key.device == DeviceKind::CPU, "the CPU fusion backend was given a ",
+                    to_string(source.key.device), " kernel `", source.entry, "`");
+}
+
+}  // namespace
+
 CpuBackend::CpuBackend(CpuBackendOptions options) : impl_(std::make_unique<Impl>()) {
   impl_->options = std::move(options);
+  impl_->prelude = cpu_prelude();
 }
 
 CpuBackend::~CpuBackend() = default;
@@ -392,11 +727,8 @@ CpuBackend::~CpuBackend() = default;
 const CpuBackendOptions& CpuBackend::options() const noexcept { return impl_->options; }
 
 void CpuBackend::prepare() {
-  std::error_code ec;
-  fs::create_directories(impl_->options.cache_dir, ec);
-  STAGEJIT_CHECK_AS(FusionError, !ec, "fusion: cannot create the kernel cache folder ",
-                    impl_->options.cache_dir.string(), ": ", ec.message(), " (set $STAGEJIT_FUSION_CACHE_DIR)");
-  impl_->prelude_header(impl_->options.cache_dir);
+  const fs::path dir = impl_->cache_dir();
+  impl_->prelude_header(dir);
 }
 
 std::string CpuBackend::hash_of(const KernelSource& source) const { return impl_->hash_of(source); }
@@ -404,24 +736,59 @@ std::string CpuBackend::hash_of(const KernelSource& source) const { return impl_
 CpuBackendStats CpuBackend::stats() const {
   CpuBackendStats s;
   s.compiles = impl_->compiles;
+  s.kernels_compiled = impl_->kernels_compiled;
   s.disk_hits = impl_->disk_hits;
   s.memory_hits = impl_->memory_hits;
   s.corrupt_entries = impl_->corrupt;
   s.prelude_builds = impl_->prelude_builds;
+  s.compile_wall_seconds = 1e-6 * double(impl_->compile_wall_us.load());
+  s.compile_cpu_seconds = 1e-6 * double(impl_->compile_cpu_us.load());
+  s.load_seconds = 1e-6 * double(impl_->load_us.load());
   return s;
 }
 
 std::shared_ptr<const CpuKernel> CpuBackend::get(const KernelSource& source) {
-  STAGEJIT_CHECK_AS(FusionError, !source.entry.empty(), "fusion kernel source without an entry point name");
-  STAGEJIT_CHECK_AS(FusionError, source.key.device == DeviceKind::CPU, "the CPU fusion backend was given a ",
-                    to_string(source.key.device), " kernel `", source.entry, "`");
-  const std::string hash = impl_->hash_of(source);
-  bool hit = false;
-  auto kernel = build_once(impl_->mutex, impl_->kernels, hash,
-                                   [&] { return impl_->load_or_build(source, hash); }, &hit);
-  if (hit) ++impl_->memory_hits;
-  return kernel;
+  check_cpu_source(source);
+  std::vector<std::shared_future<KernelPtr>> futures;
+  std::vector<BuildItem> mine = impl_->claim({source}, &futures);
+  if (mine.empty()) {
+    ++impl_->memory_hits;
+  } else {
+    // Built here, on the caller's thread (no queue: the caller waits anyway).
+    BuildItem* item = &mine[0];
+    impl_->build_items({item});
+    item->fail(std::make_exception_ptr(FusionError("fusion: internal error: a kernel build ended without a result")));
+  }
+  return futures.at(0).get();
 }
+
+std::shared_future<std::shared_ptr<const CpuKernel>> CpuBackend::get_async(const KernelSource& source) {
+  check_cpu_source(source);
+  std::vector<std::shared_future<KernelPtr>> futures;
+  std::vector<BuildItem> mine = impl_->claim({source}, &futures);
+  if (mine.empty()) {
+    ++impl_->memory_hits;
+    return futures.at(0);
+  }
+  impl_->launch(std::move(mine));
+  return futures.at(0);
+}
+
+void CpuBackend::prefetch(const std::vector<KernelSource>& sources) {
+  std::vector<KernelSource> valid;
+  for (const auto& s : sources) {
+    try {
+      check_cpu_source(s);
+      valid.push_back(s);
+    } catch (const FusionError&) {
+      // `get` reports it for the group that asks.
+    }
+  }
+  std::vector<BuildItem> mine = impl_->claim(valid, nullptr);
+  if (!mine.empty()) impl_->launch(std::move(mine));
+}
+
+void CpuBackend::wait_for_prefetches() { impl_->join_all(); }
 
 CpuBackend& default_cpu_backend() {
   static CpuBackend backend;

@@ -38,6 +38,7 @@
 #include <stagejit/closure/specialize.hpp>
 #include <stagejit/closure/stage_closure.hpp>
 #include <stagejit/core/error.hpp>
+#include <stagejit/fusion/codegen.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/trace/trace.hpp>
 
@@ -120,6 +121,7 @@ struct MultiStageClosure {
     }
     std::shared_ptr<const StageVariant> built;
     try {
+      fusion::KernelBatchScope kernels;  // the variant's kernels: compiled together
       built = build_stage_variant(*graph, plan, stages.at(key.stage).prev_slots, key, tile_rows_);
     } catch (...) {
       built = nullptr;  // the full stage serves this key (correct, only slower)

@@ -17,6 +17,7 @@
 #include <stagejit/core/arg_spec.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/memory/host_allocator.hpp>
+#include <stagejit/fusion/codegen.hpp>
 #include <stagejit/passes/cse.hpp>
 #include <stagejit/passes/dce.hpp>
 #include <stagejit/passes/graph_fuser.hpp>
@@ -29,6 +30,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -93,6 +95,13 @@ class CompiledFunction {
   struct Stats {
     std::size_t hits = 0;
     std::size_t misses = 0;
+    /// Summed over the misses, in seconds: tracing (the eager run recording every
+    /// stage), the optimisation and fusion passes, and building the stages' closures
+    /// (with their kernels' source generation; the compiler runs overlap what follows,
+    /// see `fusion::KernelBatchScope` and `fusion::CpuBackend::stats`).
+    double trace_seconds = 0;
+    double passes_seconds = 0;
+    double build_seconds = 0;
   };
 
   CompiledFunction(traced_fn fn, CompileOptions options)
@@ -126,7 +135,8 @@ class CompiledFunction {
 
   /// Cache hits and misses so far.
   Stats stats() const {
-    return Stats{state_->hits.load(), state_->misses.load()};
+    return Stats{state_->hits.load(), state_->misses.load(), 1e-6 * double(state_->trace_us.load()),
+                 1e-6 * double(state_->passes_us.load()), 1e-6 * double(state_->build_us.load())};
   }
   /// Drops every compiled closure (and resets nothing else).
   void clear_cache() {
@@ -149,6 +159,7 @@ class CompiledFunction {
     std::mutex mutex;
     std::unordered_map<ArgSpec, std::shared_ptr<Entry>, ArgSpecHash> cache;
     std::atomic<std::size_t> hits{0}, misses{0};
+    std::atomic<int64_t> trace_us{0}, passes_us{0}, build_us{0};
   };
 
   // ATen's default generators (CPU, and each CUDA device's when CUDA is available),
@@ -206,11 +217,14 @@ class CompiledFunction {
     // Tracing runs `fn` eagerly; its random ops (dropout) must not use up the draws of the
     // call being served, so the default generators are put back as they were: the first
     // compiled call after `at::manual_seed(s)` draws what an eager call would.
+    using clock = std::chrono::steady_clock;
+    const auto t0 = clock::now();
     Trace tr = [&] {
       GeneratorStates saved;
       return trace(state_->fn, leaves, TraceOptions{o.derivatives, o.cross_stage_gradients});
     }();
     std::shared_ptr<ir::Graph> g = tr.graph();
+    const auto t1 = clock::now();
     if (o.optimize) {
       passes::eliminate_dead_code(*g);
       passes::eliminate_common_subexpressions(*g);
@@ -219,8 +233,20 @@ class CompiledFunction {
       if (o.rematerialize && !o.cross_stage_gradients) passes::rematerialize_cross_stage(*g);
     }
     if (o.fuse) passes::fuse(*g);
+    const auto t2 = clock::now();
     auto entry = std::make_shared<Entry>();
-    auto msc = std::make_shared<closure::MultiStageClosure>(g, tr, o.tile_rows);
+    std::shared_ptr<closure::MultiStageClosure> msc;
+    {
+      // Every stage's kernels, predicted from the traced types, compiled together in the
+      // background while the closures are finished and the first call starts.
+      fusion::KernelBatchScope kernels;
+      msc = std::make_shared<closure::MultiStageClosure>(g, tr, o.tile_rows);
+    }
+    const auto t3 = clock::now();
+    auto us = [](clock::duration d) { return std::chrono::duration_cast<std::chrono::microseconds>(d).count(); };
+    state_->trace_us += us(t1 - t0);
+    state_->passes_us += us(t2 - t1);
+    state_->build_us += us(t3 - t2);
     msc->inter_op_parallel = o.inter_op_parallel;
     msc->cache_host_memory = state_->cache_host_memory;
     msc->specialize = o.specialize;

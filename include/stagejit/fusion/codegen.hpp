@@ -44,8 +44,11 @@
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <future>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -57,6 +60,18 @@
 namespace stagejit::fusion {
 
 namespace detail {
+
+/// Summed time spent generating kernel sources (`plan_group` and `predict_kernel`), for
+/// the first-call breakdown of bench/pinn and bench/higher_order.
+inline std::atomic<int64_t>& codegen_microseconds() noexcept {
+  static std::atomic<int64_t> us{0};
+  return us;
+}
+
+inline std::atomic<int>& wait_for_kernels_flag() noexcept {
+  static std::atomic<int> flag{-1};  // -1: not read from the environment yet
+  return flag;
+}
 
 /// Whether `t` is a dtype a dialect computes in float while storing it narrower (CUDA).
 inline bool is_reduced_float(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
@@ -354,6 +369,32 @@ inline std::vector<at::Tensor> run_unfused(const ir::Graph& subgraph, const std:
   return out;
 }
 
+/// Whether a compiled function's fusion groups wait for their CPU kernel on the calls
+/// made while it is being compiled. By default (false) they don't: such a call runs the
+/// group's nodes one by one through ATen (the same results up to rounding, no warning)
+/// and the kernel takes over on the first call after its build finished, so a first call
+/// never waits for the compiler. `$STAGEJIT_FUSION_WAIT=1` (read once) or
+/// `set_wait_for_kernels(true)` make every call wait: deterministic kernel use, for tests
+/// and for timing. `run_fused` always waits.
+inline bool waits_for_kernels() noexcept {
+  int f = detail::wait_for_kernels_flag().load();
+  if (f < 0) {
+    const char* e = std::getenv("STAGEJIT_FUSION_WAIT");
+    f = (e && std::string(e) == "1") ? 1 : 0;
+    int expected = -1;
+    detail::wait_for_kernels_flag().compare_exchange_strong(expected, f);
+    f = detail::wait_for_kernels_flag().load();
+  }
+  return f == 1;
+}
+
+/// Sets `waits_for_kernels()`; returns the previous value.
+inline bool set_wait_for_kernels(bool wait) noexcept {
+  const bool before = waits_for_kernels();
+  detail::wait_for_kernels_flag() = wait ? 1 : 0;
+  return before;
+}
+
 /// Options of `run_fused`.
 struct RunFusedOptions {
   /// The backend compiling CPU kernels; null: `default_cpu_backend()`.
@@ -404,10 +445,13 @@ inline bool outputs_have_shape(const ir::Graph& g, const std::vector<at::Tensor>
   return true;
 }
 
-/// Groups already warned about (by subgraph text), so each warns once per process.
+/// Groups already warned about (by subgraph text), and reasons already given, so each
+/// group warns once per process and a cause shared by every group (no compiler, an
+/// unwritable cache) is said once.
 struct FallbackWarnings {
   std::mutex mutex;
   std::set<std::string> warned;
+  std::set<std::string> reasons;
 };
 
 inline FallbackWarnings& fallback_warnings() {
@@ -420,6 +464,7 @@ inline void warn_fallback(const std::string& group, const std::string& text, con
   {
     std::lock_guard<std::mutex> lock(w.mutex);
     if (!w.warned.insert(text).second) return;
+    if (!w.reasons.insert(reason).second) return;
   }
   std::cerr << "stagejit: warning: " << (group.empty() ? std::string("a fusion group") : group)
             << " runs op by op (no fused kernel): " << reason << "\n";
@@ -432,6 +477,9 @@ struct GroupPlan {
   std::vector<int64_t> shape;
   at::Device device = at::kCPU;
   std::shared_ptr<const CpuKernel> kernel;
+  /// The CPU kernel still being built (`plan_group` with `may_defer`): until it is
+  /// ready the group runs op by op, silently.
+  std::shared_future<std::shared_ptr<const CpuKernel>> pending;
   std::shared_ptr<const CudaKernel> cuda_kernel;
   std::vector<at::ScalarType> output_dtypes;
   std::string fallback;  ///< non-empty: run op by op for this reason
@@ -460,7 +508,7 @@ inline at::Device group_device(const std::vector<at::Tensor>& inputs, const std:
 /// per source by the backends' own caches (`build_once`, failures remembered); a
 /// `FusedGroup` memoises the whole plan per input signature.
 inline GroupPlan plan_group(const ir::Graph& subgraph, const std::string& text, const std::vector<at::Tensor>& inputs,
-                            const Backends& backends, const std::string& group_name = "") {
+                            const Backends& backends, const std::string& group_name = "", bool may_defer = false) {
   (void)text;
   GroupPlan plan;
   for (const auto& x : inputs)
@@ -476,15 +524,25 @@ inline GroupPlan plan_group(const ir::Graph& subgraph, const std::string& text, 
       plan.fallback = "its outputs do not all have the broadcast shape of its inputs";
       return plan;
     }
+    const auto t0 = std::chrono::steady_clock::now();
     KernelSource source =
         generate(subgraph, inputs, dialect, dialect == DeviceKind::CUDA ? plan.device.index() : -1);
+    codegen_microseconds() +=
+        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
     for (const TensorDesc& d : source.key.outputs) plan.output_dtypes.push_back(d.dtype);
     if (GroupObserver observer = group_observer_slot().load()) observer(subgraph, inputs);
     if (at::IntArrayRef(plan.shape).size() == 0 || c10::multiply_integers(plan.shape) > 0) {
       if (dialect == DeviceKind::CUDA)
         plan.cuda_kernel = (backends.cuda ? *backends.cuda : default_cuda_backend()).get(source);
-      else
+      else if (may_defer && !waits_for_kernels()) {
+        auto future = (backends.cpu ? *backends.cpu : default_cpu_backend()).get_async(source);
+        if (future.wait_for(std::chrono::seconds(0)) == std::future_status::ready)
+          plan.kernel = future.get();
+        else
+          plan.pending = std::move(future);
+      } else {
         plan.kernel = (backends.cpu ? *backends.cpu : default_cpu_backend()).get(source);
+      }
     }
   } catch (const FusionError& e) {
     const at::Device device = plan.device;
@@ -563,6 +621,93 @@ inline std::vector<at::Tensor> run_fused(const ir::Graph& subgraph, const std::v
   return detail::run_planned(plan, subgraph, text, inputs, options.group_name, options.fallback_reason);
 }
 
+namespace detail {
+
+/// The kernels predicted while a `KernelBatchScope` is open on a thread.
+struct KernelBatch {
+  std::vector<std::pair<CpuBackend*, KernelSource>> sources;  // null backend: the default one
+};
+
+inline KernelBatch*& current_kernel_batch() noexcept {
+  thread_local KernelBatch* batch = nullptr;
+  return batch;
+}
+
+/// Adds to the open batch the CPU kernel `subgraph` will need when its inputs have the
+/// types the trace recorded (only their dtypes shape a CPU kernel's code: kernel_spec.hpp,
+/// cpu_backend.hpp). Nothing when no batch is open, when an input's type is unknown or
+/// not on the CPU, or when `generate` refuses the group (its first call reports that).
+inline void predict_kernel(const ir::Graph& subgraph, CpuBackend* backend) {
+  KernelBatch* batch = current_kernel_batch();
+  if (!batch) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<at::Tensor> inputs;
+  for (const ir::Value* v : subgraph.inputs()) {
+    const ir::TensorType* t = v->tensor_type();
+    if (!t || !t->device.is_cpu() || t->sizes.size() != t->strides.size()) return;
+    inputs.push_back(at::empty_strided(t->sizes, t->strides, at::TensorOptions().dtype(t->dtype).device(at::kMeta)));
+  }
+  try {
+    batch->sources.emplace_back(backend, generate(subgraph, inputs, DeviceKind::CPU));
+  } catch (const Error&) {
+  } catch (const c10::Error&) {
+  }
+  codegen_microseconds() +=
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace detail
+
+/// While alive, every `FusedGroup` constructed on this thread predicts its CPU kernel
+/// from the types its subgraph's inputs were traced with, and the outermost scope hands
+/// them all to `CpuBackend::prefetch` when it ends: they are compiled together, several
+/// per compiler run, in parallel runs, in the background, while the first call starts
+/// (the first-call issue: one compiler run per kernel, serially, took 8-25 s). A group
+/// whose inputs turn out to have other dtypes simply builds its own kernel on its first
+/// call. The closure compiler opens one around building a compiled function's stages and
+/// around each stage variant. Nested scopes join the outermost one. Not copyable.
+class KernelBatchScope {
+ public:
+  KernelBatchScope() noexcept {
+    if (!detail::current_kernel_batch()) {
+      detail::current_kernel_batch() = &batch_;
+      outermost_ = true;
+    }
+  }
+  ~KernelBatchScope() {
+    if (!outermost_) return;
+    detail::current_kernel_batch() = nullptr;
+    flush();
+  }
+  KernelBatchScope(const KernelBatchScope&) = delete;
+  KernelBatchScope& operator=(const KernelBatchScope&) = delete;
+
+  /// Sends the predicted kernels to their backends now (the destructor does otherwise).
+  void flush() noexcept {
+    std::vector<std::pair<CpuBackend*, std::vector<KernelSource>>> by_backend;
+    for (auto& [backend, source] : batch_.sources) {
+      auto it = std::find_if(by_backend.begin(), by_backend.end(), [&](const auto& e) { return e.first == backend; });
+      if (it == by_backend.end()) it = by_backend.insert(by_backend.end(), {backend, {}});
+      it->second.push_back(std::move(source));
+    }
+    batch_.sources.clear();
+    for (auto& [backend, sources] : by_backend) {
+      try {
+        (backend ? *backend : default_cpu_backend()).prefetch(sources);
+      } catch (const std::exception&) {
+        // Prefetching is an optimisation: each group still builds its kernel on first use.
+      }
+    }
+  }
+
+  /// How many kernels the scope has predicted and not yet sent.
+  std::size_t size() const noexcept { return batch_.sources.size(); }
+
+ private:
+  detail::KernelBatch batch_;
+  bool outermost_ = false;
+};
+
 /// One FusionGroup subgraph run call after call (the closure compiler's FusedKernel):
 /// behaves as `run_fused`, but prints the group once and memoises the plan (device,
 /// broadcast shape, kernel or fallback reason) per input signature (device, dtype, sizes
@@ -581,6 +726,7 @@ class FusedGroup {
       : subgraph_(std::move(subgraph)), name_(std::move(name)), backends_{backend, cuda_backend} {
     STAGEJIT_CHECK_AS(FusionError, subgraph_, "fusion: FusedGroup ", name_, " without a subgraph");
     text_ = ir::to_string(*subgraph_);
+    detail::predict_kernel(*subgraph_, backend);
   }
 
   std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) const {
@@ -610,14 +756,34 @@ class FusedGroup {
         }
     }
     if (!plan) {
-      plan = std::make_shared<const detail::GroupPlan>(detail::plan_group(*subgraph_, text_, inputs, backends_, name_));
+      plan = std::make_shared<const detail::GroupPlan>(
+          detail::plan_group(*subgraph_, text_, inputs, backends_, name_, /*may_defer=*/true));
       std::lock_guard<std::mutex> lock(mutex_);
       bool present = false;  // another thread may have planned this signature meanwhile
       for (const auto& entry : plans_) present = present || entry.first == sig;
       if (!present) {
         if (plans_.size() >= kMaxPlans) plans_.erase(plans_.begin());
-        plans_.emplace_back(std::move(sig), plan);
+        plans_.emplace_back(sig, plan);
       }
+    }
+    if (plan->pending.valid()) {
+      // The kernel is being compiled (waits_for_kernels): op by op until it is ready,
+      // then the plan with the kernel (or with the build's error as fallback) replaces
+      // this one.
+      if (plan->pending.wait_for(std::chrono::seconds(0)) != std::future_status::ready)
+        return run_unfused(*subgraph_, inputs);
+      auto done = std::make_shared<detail::GroupPlan>(*plan);
+      done->pending = {};
+      try {
+        done->kernel = plan->pending.get();
+      } catch (const FusionError& e) {
+        done->kernel = nullptr;
+        done->fallback = e.what();
+      }
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& entry : plans_)
+        if (entry.first == sig) entry.second = done;
+      plan = std::move(done);
     }
     return detail::run_planned(*plan, *subgraph_, text_, inputs, name_);
   }

@@ -6,12 +6,25 @@
 ///
 /// Disk cache: `$STAGEJIT_FUSION_CACHE_DIR`, else `$XDG_CACHE_HOME/stagejit`, else
 /// `~/.cache/stagejit`. An entry `<hash>.so` (hash = SHA-1 of prelude + source + entry +
-/// key + compiler command + flags + the compiler's `--version`) comes with `<hash>.sum`
-/// (its checksum) and `<hash>.cpp` (the source, for error messages), which includes the
-/// prelude from `prelude-<hash>.hpp`, precompiled once per folder into a `.gch`. Entries are
-/// installed by writing temporaries and renaming them, under an advisory file lock per
-/// hash so that processes sharing the cache compile an entry once. An entry whose
-/// checksum, dlopen or dlsym fails is rebuilt.
+/// the key's device and dtypes + compiler command + flags + the compiler's `--version`;
+/// rank and contiguity are run-time arguments of a CPU kernel, so they are not part of
+/// it) comes with `<hash>.sum` (its checksum). The shared object exports the kernel as
+/// `sjk_<hash>` (its entry point renamed), so an entry is bound to its key: a `.so`
+/// installed under another entry's name lacks that symbol and is rebuilt, never run.
+/// Kernels are compiled several per compiler run (`prefetch`): one translation unit
+/// includes the prelude from `prelude-<hash>.hpp` (precompiled once per folder into a
+/// `.gch`) and holds each kernel in a namespace of its own; the entries of one run are
+/// hard links to its shared object. Entries are installed by writing temporaries and
+/// renaming them, under an advisory file lock per hash, taken in hash order, so that
+/// processes sharing the cache compile an entry once and never see half an entry. An
+/// entry whose checksum, dlopen or dlsym fails is rebuilt. A compile that fails keeps
+/// its source `<unit>.cpp` and log `<unit>.log` for the error message. A precompiled
+/// prelude the compiler refuses is rebuilt once per process, then dropped (the prelude
+/// is compiled inline).
+///
+/// Flags: `-O2`, not `-O3`: on the PINN's 30 kernels -O3 costs 3x the compile time
+/// (11.2 s against 3.7 s of compiler CPU time) for no measurable run-time difference
+/// (bench/fusion.md).
 ///
 /// Generated code is written against the prelude (`cpu_prelude()`), which includes
 /// ATen's header-only `at::vec::Vectorized<T>` (SLEEF underneath for transcendental
@@ -36,6 +49,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -55,6 +69,9 @@ struct CpuBackendOptions {
   std::vector<std::string> flags;            ///< `-std=c++17 -O3 -march=native -fPIC -shared ...`
   std::vector<std::string> link_flags;       ///< libraries after the source (`-lsleef`)
   std::filesystem::path cache_dir;           ///< disk cache folder, created on first use
+  /// Most compiler runs at once (`prefetch`); 0: one per hardware thread.
+  /// `$STAGEJIT_FUSION_JOBS` sets it (FusionError for text that is not 0..1024).
+  int jobs = 0;
 
   static CpuBackendOptions from_environment();
 };
@@ -90,11 +107,15 @@ class CpuKernel {
 
 /// Counters of a `CpuBackend` (for tests and diagnostics).
 struct CpuBackendStats {
-  int64_t compiles = 0;         ///< compiler invocations (successful or not)
+  int64_t compiles = 0;         ///< compiler runs (successful or not; one run builds several kernels)
+  int64_t kernels_compiled = 0; ///< kernels built by those runs
   int64_t disk_hits = 0;        ///< kernels loaded from the disk cache without compiling
   int64_t memory_hits = 0;      ///< requests served by the in-process cache
   int64_t corrupt_entries = 0;  ///< disk entries found corrupt and rebuilt
   int64_t prelude_builds = 0;   ///< precompiled preludes built (once per cache folder and flags)
+  double compile_wall_seconds = 0;  ///< summed wall time of the compiler runs (they overlap when parallel)
+  double compile_cpu_seconds = 0;   ///< summed CPU time (user + system) of the compiler runs
+  double load_seconds = 0;          ///< checksum, dlopen and dlsym of loaded entries
 };
 
 /// Compiles, caches and loads CPU kernels. Thread-safe: concurrent `get` calls for one
@@ -112,6 +133,24 @@ class CpuBackend {
   /// source file when compilation fails, or naming the entry point when the shared
   /// object lacks it, or when the compiler cannot be run or the cache is not writable.
   std::shared_ptr<const CpuKernel> get(const KernelSource& source);
+
+  /// `get` without waiting: the kernel's future, ready at once for a kernel built or
+  /// loaded before; otherwise its build (disk cache or compiler) runs on a background
+  /// thread. The future rethrows what `get` would throw. Throws `FusionError` at once
+  /// for a source `get` refuses before building (no entry point, not a CPU kernel).
+  std::shared_future<std::shared_ptr<const CpuKernel>> get_async(const KernelSource& source);
+
+  /// Starts building, in the background, every kernel of `sources` that this backend has
+  /// not built or loaded yet: loads those in the disk cache, and compiles the rest in up
+  /// to `options().jobs` concurrent compiler runs, several kernels per run. A later `get`
+  /// of one of them waits for its build instead of starting another. Sources that `get`
+  /// would refuse are skipped here (`get` reports them). Does not throw for build
+  /// failures (`get` rethrows them); may throw `std::system_error` when no thread can
+  /// be started.
+  void prefetch(const std::vector<KernelSource>& sources);
+
+  /// Waits until every background build (`prefetch`, `get_async`) has finished.
+  void wait_for_prefetches();
 
   /// Creates the cache folder and builds the precompiled prelude if it is missing, so
   /// that later `get` calls compile faster (call it early, e.g. from a background
