@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <sstream>
 #include <string>
@@ -404,5 +405,34 @@ TEST_SUITE("fusion") {
     CHECK_THROWS_WITH_AS(CpuBackendOptions::from_environment(), doctest::Contains("STAGEJIT_FUSION_JOBS"),
                          sj::FusionError);
     ::unsetenv("STAGEJIT_FUSION_JOBS");
+  }
+
+  TEST_CASE("a float tensor times a 0-dim double (or int) compiles without a warning, as eager promotes") {
+    struct Case {
+      at::ScalarType x, s;
+    };
+    for (const Case c : {Case{at::kFloat, at::kDouble}, Case{at::kDouble, at::kFloat}, Case{at::kFloat, at::kLong}}) {
+      const std::string dtypes = std::string(c10::toString(c.x)) + " * " + c10::toString(c.s);
+      CAPTURE(dtypes);
+      auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+        return {sj::tanh(in[0] * in[1] + in[0])};
+      });
+      const at::Tensor x = at::randn({16}, at::kDouble).to(c.x);
+      const at::Tensor s = at::scalar_tensor(3, at::TensorOptions().dtype(c.s));
+      std::ostringstream captured;
+      std::streambuf* old = std::cerr.rdbuf(captured.rdbuf());
+      sj::variable_list got;
+      try {
+        got = f({sj::Variable(x), sj::Variable(s)});
+      } catch (...) {
+        std::cerr.rdbuf(old);
+        throw;
+      }
+      std::cerr.rdbuf(old);
+      const at::Tensor want = at::tanh(x * s + x);
+      CHECK((got[0].data().scalar_type() == want.scalar_type()));
+      CHECK(at::allclose(got[0].data(), want, 1e-6, 1e-6));
+      CHECK(captured.str().find("runs op by op") == std::string::npos);
+    }
   }
 }

@@ -57,6 +57,16 @@ inline bool is_fusable(const ir::Node& n) {
   const auto* op = n.get_if<ir::Op>();
   if (!op || n.outputs().size() != 1 || n.has_side_effects() || op->id() == OpId::to) return false;
   if (n.output(0)->is_handle()) return false;
+  // Inputs of more than one non-bool dtype (a float tensor times a 0-dim double, as
+  // ATen's type promotion allows): a kernel computes in one type, so such a node runs
+  // alone through ATen, which promotes as eager does.
+  std::optional<at::ScalarType> dtype;
+  for (const ir::Value* v : n.inputs()) {
+    const ir::TensorType* t = v->tensor_type();
+    if (!t || t->dtype == at::kBool) continue;
+    if (dtype && *dtype != t->dtype) return false;
+    dtype = t->dtype;
+  }
   return op->schema().elementwise;
 }
 
