@@ -686,7 +686,7 @@ class KernelBatchScope {
   void flush() noexcept {
     std::vector<std::pair<CpuBackend*, std::vector<KernelSource>>> by_backend;
     for (auto& [backend, source] : batch_.sources) {
-      auto it = std::find_if(by_backend.begin(), by_backend.end(), [&](const auto& e) { return e.first == backend; });
+      auto it = std::find_if(by_backend.begin(), by_backend.end(), [&b = backend](const auto& e) { return e.first == b; });
       if (it == by_backend.end()) it = by_backend.insert(by_backend.end(), {backend, {}});
       it->second.push_back(std::move(source));
     }
