@@ -44,6 +44,7 @@ import sys
 import time
 import traceback
 
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 try:
     import workloads as W  # noqa: E402  (needs numpy)
