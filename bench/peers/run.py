@@ -35,6 +35,9 @@ if _FRESH_CACHE:
     _cache = tempfile.mkdtemp(prefix="peers-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _cache
     os.environ["TRITON_CACHE_DIR"] = os.path.join(_cache, "triton")
+    # inductor's precompiled headers go to tempfile.gettempdir()/torchinductor_<user>
+    # whatever TORCHINDUCTOR_CACHE_DIR says: the process's temp folder is the fresh one too
+    tempfile.tempdir = _cache
     atexit.register(shutil.rmtree, _cache, True)
 
 import argparse
