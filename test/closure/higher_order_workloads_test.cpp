@@ -1,0 +1,107 @@
+// The higher-order workloads of bench/workloads.md (test/support/higher_order.hpp, issue
+// 32) at their small sizes: in every workload the staged compiled step (the network
+// compiled with k derivatives), the whole-loss compiled step (the loss with its inner
+// grads compiled with one derivative) and the stagejit eager step give libtorch's loss
+// and gradients (max |x - ref| / max |ref| <= 1e-5 in float, 1e-10 in double). Each
+// compiled mode runs twice on its compiled functions (the first call traces and runs op
+// by op while the kernels build; the second runs the cached closure), and both calls
+// are checked.
+#include <stagejit/stagejit.hpp>
+#include <stagejit/testing/doctest.hpp>
+
+#include "../support/higher_order.hpp"
+
+#include <string>
+
+namespace ho = stagejit::testing::higher_order;
+
+namespace {
+
+void check_workload(const std::string& name, at::ScalarType dtype) {
+  const double tol = dtype == at::kFloat ? 1e-5 : 1e-10;
+  auto w = ho::make_workload(name, dtype, /*small=*/true);
+  const ho::Result ref = w->step(ho::Mode::Libtorch);
+  REQUIRE(ref.grads.size() == w->weights().size());
+  for (ho::Mode m : {ho::Mode::Staged, ho::Mode::WholeLoss, ho::Mode::Eager}) {
+    const int calls = m == ho::Mode::Eager ? 1 : 2;
+    for (int c = 0; c < calls; ++c) {
+      CAPTURE(name);
+      CAPTURE(ho::mode_name(m));
+      CAPTURE(c);
+      const ho::Result r = w->step(m);
+      REQUIRE(r.grads.size() == ref.grads.size());
+      for (std::size_t i = 0; i < r.grads.size(); ++i) {
+        CHECK(bool(r.grads[i].scalar_type() == dtype));
+        CHECK(r.grads[i].sizes() == ref.grads[i].sizes());
+      }
+      const double d = ho::max_rel_diff(r, ref);
+      CHECK_MESSAGE(d <= tol, name, " ", ho::mode_name(m), " call ", c + 1, ": max relative difference to libtorch ",
+                    d, " (loss ", r.loss, " vs ", ref.loss, ")");
+    }
+  }
+  // The compiled functions traced once per mode and then hit their cache.
+  CHECK(w->compiled_net().stats().misses >= 1);
+  CHECK(w->compiled_loss().stats().misses == 1);
+  CHECK(w->compiled_loss().stats().hits == 1);
+}
+
+}  // namespace
+
+TEST_SUITE("closure") {
+
+TEST_CASE("higher-order workloads: the specification's values") {
+  // value[k] = scale sin(0.731 k + 1.37 t + 0.1): W1 of burgers (t 0, fan_in 2), b1 (t 1).
+  auto w = ho::make_workload("burgers", at::kDouble, true);
+  const at::Tensor& w1 = w->weights()[0];
+  CHECK(w1.sizes() == at::IntArrayRef{2, 8});
+  CHECK(w1.data_ptr<double>()[3] == doctest::Approx(std::sin(0.731 * 3 + 0.1) / std::sqrt(2.0)).epsilon(1e-15));
+  CHECK(w->weights()[1].data_ptr<double>()[2] == doctest::Approx(0.1 * std::sin(0.731 * 2 + 1.37 + 0.1)).epsilon(1e-15));
+  CHECK(w->weights().size() == 18);
+  // X is tensor 18.
+  CHECK(w->data()[0].data_ptr<double>()[5] == doctest::Approx(std::sin(0.731 * 5 + 1.37 * 18 + 0.1)).epsilon(1e-15));
+  // The float tensors are the double ones cast.
+  auto f = ho::make_workload("burgers", at::kFloat, true);
+  CHECK(at::equal(f->weights()[4], w->weights()[4].to(at::kFloat)));
+  // Every workload is listed and builds at both sizes' shapes without running.
+  for (const auto& name : ho::workload_names()) CHECK_NOTHROW((void)ho::make_workload(name, at::kFloat, true));
+  CHECK_THROWS_AS((void)ho::make_workload("nope", at::kFloat, true), std::invalid_argument);
+}
+
+TEST_CASE("higher-order workloads: burgers equals libtorch") {
+  check_workload("burgers", at::kFloat);
+  check_workload("burgers", at::kDouble);
+}
+TEST_CASE("higher-order workloads: burgers_residual equals libtorch") {
+  check_workload("burgers_residual", at::kFloat);
+  check_workload("burgers_residual", at::kDouble);
+}
+TEST_CASE("higher-order workloads: kdv equals libtorch") {
+  check_workload("kdv", at::kFloat);
+  check_workload("kdv", at::kDouble);
+}
+TEST_CASE("higher-order workloads: forces_silu equals libtorch") {
+  check_workload("forces_silu", at::kFloat);
+  check_workload("forces_silu", at::kDouble);
+}
+TEST_CASE("higher-order workloads: forces_softplus equals libtorch") {
+  check_workload("forces_softplus", at::kFloat);
+  check_workload("forces_softplus", at::kDouble);
+}
+TEST_CASE("higher-order workloads: critic128 equals libtorch") {
+  check_workload("critic128", at::kFloat);
+  check_workload("critic128", at::kDouble);
+}
+TEST_CASE("higher-order workloads: critic512 equals libtorch") {
+  check_workload("critic512", at::kFloat);
+  check_workload("critic512", at::kDouble);
+}
+TEST_CASE("higher-order workloads: hvp equals libtorch") {
+  check_workload("hvp", at::kFloat);
+  check_workload("hvp", at::kDouble);
+}
+TEST_CASE("higher-order workloads: maml equals libtorch") {
+  check_workload("maml", at::kFloat);
+  check_workload("maml", at::kDouble);
+}
+
+}  // TEST_SUITE
