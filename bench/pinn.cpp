@@ -24,6 +24,7 @@
 #include "../examples/pinn/burgers.hpp"
 #include "bench_util.hpp"
 #include "first_call.hpp"
+#include "gemm_profile.hpp"
 
 #include <ATen/record_function.h>
 #include <CLI/CLI.hpp>
@@ -44,85 +45,6 @@ namespace sj = stagejit;
 using namespace pinn::burgers;
 
 namespace {
-
-// ------------------------------------------------------------------ GEMM profiling
-
-std::atomic<int64_t> g_gemm_ns{0};     // summed over products (and threads)
-std::atomic<int64_t> g_gemm_calls{0};
-// Wall time during which at least one product runs: the compiled stages may run products
-// on two threads at once (the engine's worker and the caller), where the sum above can
-// exceed the step's wall time.
-std::mutex g_busy_mutex;
-int g_busy_active = 0;
-std::chrono::steady_clock::time_point g_busy_start;
-int64_t g_busy_ns = 0;
-
-void busy_enter(std::chrono::steady_clock::time_point now) {
-  std::lock_guard<std::mutex> lock(g_busy_mutex);
-  if (g_busy_active++ == 0) g_busy_start = now;
-}
-void busy_leave(std::chrono::steady_clock::time_point now) {
-  std::lock_guard<std::mutex> lock(g_busy_mutex);
-  if (--g_busy_active == 0)
-    g_busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(now - g_busy_start).count();
-}
-thread_local int t_gemm_depth = 0;  // nested products (matmul -> mm) are counted once
-
-struct GemmContext : at::ObserverContext {
-  std::chrono::steady_clock::time_point start;
-  std::string shape;
-};
-
-// With --gemm-detail: time and count per (op, operand shapes), outermost products only.
-std::atomic<bool> g_detail{false};
-std::mutex g_detail_mutex;
-std::map<std::string, std::pair<int64_t, int64_t>> g_detail_ns;  // key -> (ns, calls)
-
-std::string shapes_of(const at::RecordFunction& fn) {
-  std::string s = fn.name();
-  for (const c10::IValue& v : fn.inputs())
-    if (v.isTensor()) {
-      s += " [";
-      const auto sizes = v.toTensor().sizes();
-      for (std::size_t i = 0; i < sizes.size(); ++i) s += (i ? "," : "") + std::to_string(sizes[i]);
-      s += "]";
-    }
-  return s;
-}
-
-bool is_gemm(const char* name) {
-  for (const char* g : {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "stagejit::small_mm"})
-    if (std::strcmp(name, g) == 0) return true;
-  return false;
-}
-
-std::unique_ptr<at::ObserverContext> gemm_start(const at::RecordFunction& fn) {
-  if (!is_gemm(fn.name())) return nullptr;
-  if (t_gemm_depth++ > 0) return nullptr;
-  auto ctx = std::make_unique<GemmContext>();
-  if (g_detail) ctx->shape = shapes_of(fn);
-  ctx->start = std::chrono::steady_clock::now();
-  busy_enter(ctx->start);
-  return ctx;
-}
-
-void gemm_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
-  if (!is_gemm(fn.name())) return;
-  --t_gemm_depth;
-  if (auto* c = static_cast<GemmContext*>(ctx)) {
-    const auto now = std::chrono::steady_clock::now();
-    busy_leave(now);
-    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now - c->start).count();
-    g_gemm_ns += ns;
-    ++g_gemm_calls;
-    if (g_detail) {
-      std::lock_guard<std::mutex> lock(g_detail_mutex);
-      auto& e = g_detail_ns[c->shape];
-      e.first += ns;
-      ++e.second;
-    }
-  }
-}
 
 /// max over the loss and every gradient of max |x - ref| / max |ref|.
 double max_rel_diff(const at::Tensor& loss, const Params& grads, const at::Tensor& ref_loss,
@@ -286,28 +208,20 @@ int main(int argc, char** argv) {
   // the step's total here is longer than in the timed rounds; the share is taken of it.
   double gemm_ms[kModes], gemm_sum_ms[kModes], profiled_ms[kModes];
   int64_t gemm_calls[kModes];
-  {
-    g_detail = gemm_detail;
-    auto handle = at::addGlobalCallback(at::RecordFunctionCallback(gemm_start, gemm_end).needsInputs(gemm_detail));
-    for (std::size_t m = 0; m < kModes; ++m) {
-      Params g;
-      g_gemm_ns = 0;
-      g_gemm_calls = 0;
-      g_busy_ns = 0;
-      g_detail_ns.clear();
-      profiled_ms[m] = sj::bench::once_ms([&] { (void)steppers[m]->step(params, g); });
-      gemm_ms[m] = double(g_busy_ns) * 1e-6;
-      gemm_sum_ms[m] = double(g_gemm_ns.load()) * 1e-6;
-      gemm_calls[m] = g_gemm_calls.load();
-      if (gemm_detail) {
-        std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> rows(g_detail_ns.begin(), g_detail_ns.end());
-        std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
-        std::printf("  products of %s (profiled round), by time:\n", labels[m]);
-        for (const auto& [key, v] : rows)
-          std::printf("    %8.3f ms %4lld x  %s\n", double(v.first) * 1e-6, (long long)v.second, key.c_str());
-      }
+  for (std::size_t m = 0; m < kModes; ++m) {
+    Params g;
+    const sj::bench::GemmProfile prof = sj::bench::profile_gemm(
+        [&] { profiled_ms[m] = sj::bench::once_ms([&] { (void)steppers[m]->step(params, g); }); }, gemm_detail);
+    gemm_ms[m] = prof.wall_ms;
+    gemm_sum_ms[m] = prof.sum_ms;
+    gemm_calls[m] = prof.calls;
+    if (gemm_detail) {
+      std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> rows(prof.by_shape.begin(), prof.by_shape.end());
+      std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+      std::printf("  products of %s (profiled round), by time:\n", labels[m]);
+      for (const auto& [key, v] : rows)
+        std::printf("    %8.3f ms %4lld x  %s\n", double(v.first) * 1e-6, (long long)v.second, key.c_str());
     }
-    at::removeCallback(handle);
   }
 
   std::printf("                                                time       vs libtorch   GEMM wall time (profiled round)  "

@@ -128,9 +128,10 @@ V mlp(const V& x, const std::vector<V>& w, Activation act) {
   return h;
 }
 
-/// d(sum y)/dx with a graph (create_graph).
+/// d(sum y)/dx with a graph (create_graph). The ones are the op `ones_like`, not a tensor
+/// made from `y.data()`, so that a trace may run on meta tensors.
 inline Variable sum_grad(const Variable& y, const Variable& x) {
-  return grad({y}, {x}, {Variable(at::ones_like(y.data()))}, /*create_graph=*/true)[0];
+  return grad({y}, {x}, {stagejit::ones_like(y)}, /*create_graph=*/true)[0];
 }
 inline torch::Tensor sum_grad(const torch::Tensor& y, const torch::Tensor& x) {
   return torch::autograd::grad({y}, {x}, {torch::ones_like(y)}, /*retain_graph=*/true, /*create_graph=*/true)[0];

@@ -1,0 +1,250 @@
+// bench/higher_order: the higher-order workloads of bench/workloads.md (issue 32;
+// test/support/higher_order.hpp): the Burgers PINN with and without its boundary term,
+// a KdV residual, energy/force matching (SiLU, softplus), WGAN-GP critics (widths 128,
+// 512), a Hessian-vector product and a MAML step, each one training step (loss and
+// gradients in the weights) in four modes:
+//
+//   staged       the network compiled with k derivatives; the loss's inner grads and the
+//                final grad run its compiled stages
+//   whole-loss   the whole loss, inner grads included, compiled with 1 derivative
+//   eager        the same code on stagejit's eager autograd
+//   libtorch     the same code on libtorch's autograd
+//
+// in float and double, in one process. One ATen thread. Per workload and dtype: the first
+// round's losses and gradients against libtorch's (max relative difference), then the
+// median over R rounds after W warm-up rounds, each round running every mode once with
+// the order rotating by one every round. An untimed profiled round per mode counts the
+// matrix products (outermost aten::mm/addmm/bmm/matmul and stagejit::small_mm, with
+// their FLOPs 2 M K N from the operands; bench/gemm_profile.hpp) and the time in them:
+// the GEMM share of libtorch eager's step is the floor no compiler of the step removes.
+// Products a row-tiled LIBXSMM region runs per tile report no operands: they are counted
+// but their FLOPs are not (the "unknown" column).
+//
+// Options: --workload NAME (repeatable or a comma list; default all), --dtype
+// float|double|both, --engine-threads N, --rounds R, --warmup W, --small (the tests'
+// sizes), --first-call staged|compile-loss (only the first call of that compiled mode of
+// each selected workload, in a fresh kernel cache, and where its time goes).
+#include "../examples/cli.hpp"
+#include "../test/support/higher_order.hpp"
+#include "bench_util.hpp"
+#include "first_call.hpp"
+#include "gemm_profile.hpp"
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+namespace sj = stagejit;
+namespace ho = stagejit::testing::higher_order;
+
+namespace {
+
+constexpr std::size_t kModes = 4;  // ho::kModes: staged, whole-loss, eager, libtorch
+constexpr std::size_t kLibtorch = 3;
+
+const char* kLabels[kModes] = {"staged compiled", "whole-loss compiled", "stagejit eager", "libtorch eager"};
+
+double median(std::vector<double> t) {
+  std::nth_element(t.begin(), t.begin() + std::ptrdiff_t(t.size() / 2), t.end());
+  return t[t.size() / 2];
+}
+
+struct Summary {
+  std::string workload;
+  at::ScalarType dtype;
+  double ratio[kModes] = {0, 0, 0, 1};
+  double libtorch_gemm_share = 0;
+  double flops[kModes] = {0, 0, 0, 0};
+};
+
+const char* dtype_name(at::ScalarType t) { return t == at::kFloat ? "float" : "double"; }
+
+// Only the first call of one compiled mode, then the second, then with all kernels.
+void first_call_of(ho::Workload& w, bool staged) {
+  const ho::Mode m = staged ? ho::Mode::Staged : ho::Mode::WholeLoss;
+  const std::string label = w.name() + " (" + dtype_name(w.dtype()) + ", " + (staged ? "staged" : "whole-loss") + ")";
+  const double ms = sj::bench::once_ms([&] { (void)w.step(m); });
+  sj::bench::print_first_call(label.c_str(), ms, {w.compiled_net().stats(), w.compiled_loss().stats()});
+  const double again = sj::bench::once_ms([&] { (void)w.step(m); });
+  std::printf("  second call %.1f ms\n", again);
+  const double wait = sj::bench::once_ms([] { sj::fusion::default_cpu_backend().wait_for_prefetches(); });
+  sj::bench::print_first_call(("all kernels of " + label + " built").c_str(), ms + again + wait,
+                              {w.compiled_net().stats(), w.compiled_loss().stats()});
+  std::printf("  (the kernels finished %.0f ms after the second call)\n", wait);
+  const double fused = sj::bench::once_ms([&] { (void)w.step(m); });
+  std::printf("  next call, with the kernels %.1f ms\n", fused);
+}
+
+// The first round (check), the timed rounds and the profiled round of one workload.
+// Returns false when a mode's results differ from libtorch's beyond the tolerance.
+bool run_workload(ho::Workload& w, int rounds, int warmup, Summary& sum) {
+  const double tol = w.dtype() == at::kFloat ? 1e-5 : 1e-10;
+  std::printf("\n%s, %s: %s; staged: the net compiled with %d derivatives; %zu weight tensors\n", w.name().c_str(),
+              dtype_name(w.dtype()), w.describe().c_str(), w.derivatives(), w.weights().size());
+
+  // First round: each compiled mode's first call (trace + compile), and the check.
+  ho::Result first[kModes];
+  double first_ms[kModes];
+  for (std::size_t m = 0; m < kModes; ++m)
+    first_ms[m] = sj::bench::once_ms([&] { first[m] = w.step(ho::kModes[m]); });
+  // The kernels are built in the background while the first calls run op by op; the
+  // timed rounds measure the compiled modes with them.
+  sj::fusion::default_cpu_backend().wait_for_prefetches();
+  std::printf("  first call (trace + compile): staged %.0f ms, whole-loss %.0f ms\n", first_ms[0], first_ms[1]);
+  bool ok = true;
+  std::printf("  check (first round), max relative difference to libtorch (loss %.8e; loss and gradients):",
+              first[kLibtorch].loss);
+  for (std::size_t m = 0; m < kLibtorch; ++m) {
+    const double d = ho::max_rel_diff(first[m], first[kLibtorch]);
+    ok = ok && d <= tol;
+    std::printf(" %s %.2e%s", m == 0 ? "staged" : m == 1 ? "whole-loss" : "eager", d, d <= tol ? "" : " (FAILED)");
+  }
+  std::printf("; %s (<= %.0e)\n", ok ? "passed" : "FAILED", tol);
+
+  std::vector<double> times[kModes];
+  for (int r = 0; r < warmup + rounds; ++r)
+    for (std::size_t k = 0; k < kModes; ++k) {
+      const std::size_t m = (k + std::size_t(r)) % kModes;
+      const double ms = sj::bench::once_ms([&] { (void)w.step(ho::kModes[m]); });
+      if (r >= warmup) times[m].push_back(ms);
+    }
+  double med[kModes];
+  for (std::size_t m = 0; m < kModes; ++m) med[m] = median(times[m]);
+
+  // Untimed profiled round: the callbacks add a little to every ATen op, so the step's
+  // time here is longer than in the timed rounds; the GEMM share is taken of it.
+  sj::bench::GemmProfile prof[kModes];
+  double profiled_ms[kModes];
+  for (std::size_t m = 0; m < kModes; ++m)
+    prof[m] = sj::bench::profile_gemm(
+        [&] { profiled_ms[m] = sj::bench::once_ms([&] { (void)w.step(ho::kModes[m]); }); }, /*with_inputs=*/true);
+
+  std::printf("  %-22s %10s %9s %10s %11s %8s   %s\n", "mode", "ms/step", "vs torch", "products", "MFLOP", "unknown",
+              "GEMM wall time of the profiled step");
+  for (std::size_t m = 0; m < kModes; ++m) {
+    std::printf("  %-22s %10.3f %8.2fx %10lld %11.3f %8lld   %.3f of %.3f ms = %4.1f%%\n", kLabels[m], med[m],
+                med[kLibtorch] / med[m], (long long)prof[m].calls, prof[m].flops * 1e-6, (long long)prof[m].unknown,
+                prof[m].wall_ms, profiled_ms[m], 100 * prof[m].wall_ms / profiled_ms[m]);
+    sum.ratio[m] = med[kLibtorch] / med[m];
+    sum.flops[m] = prof[m].flops;
+  }
+  sum.libtorch_gemm_share = prof[kLibtorch].wall_ms / profiled_ms[kLibtorch];
+  std::printf("  GEMM share of libtorch eager's step: %.1f%%\n", 100 * sum.libtorch_gemm_share);
+  return ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> workloads;
+  std::string dtype_opt = "both";
+  int rounds = 20, warmup = 3;
+  bool small = false;
+  std::string first_call;
+  int engine_threads = sj::engine::num_threads();
+  const std::vector<std::string> all = ho::workload_names();
+
+  CLI::App app{"The higher-order workloads of bench/workloads.md: one training step each, staged compiled, "
+               "whole-loss compiled, stagejit eager and libtorch eager, float and double, median of "
+               "interleaved rounds, one ATen thread."};
+  app.add_option("--workload", workloads, "Workloads to run (repeatable or a comma list; default all)")
+      ->delimiter(',')
+      ->check(CLI::IsMember(all));
+  app.add_option("--dtype", dtype_opt, "float, double or both")->capture_default_str()
+      ->check(CLI::IsMember({"float", "double", "both"}));
+  app.add_option("--rounds", rounds, "Timed rounds (each runs every mode once)")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup, "Untimed rounds first")->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_flag("--small", small, "The tests' small sizes (test/closure/higher_order_workloads_test.cpp)");
+  app.add_option("--engine-threads", engine_threads,
+                 "stagejit's engine threads (the caller plus workers; default STAGEJIT_NUM_THREADS, else the core "
+                 "count); libtorch's CPU backward runs on the calling thread")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  app.add_option("--first-call", first_call,
+                 "Only the first call of one compiled mode of each selected workload, in a fresh temporary kernel "
+                 "cache: its time and where it goes (the backend's counters add up over the workloads)")
+      ->check(CLI::IsMember({"staged", "compile-loss"}));
+  if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
+  if (workloads.empty()) workloads = all;
+
+  std::string fresh_cache;
+  if (!first_call.empty()) {
+    fresh_cache = sj::bench::use_fresh_kernel_cache();
+    if (fresh_cache.empty()) {
+      std::fprintf(stderr, "error: --first-call: cannot create a temporary kernel cache folder\n");
+      return 2;
+    }
+  }
+
+  at::set_num_threads(1);
+  sj::engine::set_num_threads(engine_threads);
+  const char* blas_env = std::getenv("OPENBLAS_NUM_THREADS");
+  std::printf("ATen threads %d; OPENBLAS_NUM_THREADS=%s; stagejit engine threads %d (libtorch's CPU backward: 1); "
+              "%s sizes; median of %d rounds after %d warm-up rounds\n",
+              at::get_num_threads(), blas_env ? blas_env : "(unset)", sj::engine::num_threads(),
+              small ? "small (test)" : "default", rounds, warmup);
+  if (!blas_env || std::strcmp(blas_env, "1") != 0)
+    std::printf("warning: OPENBLAS_NUM_THREADS is not 1: OpenBLAS's own threads spin while stagejit's engine "
+                "threads wait; run with OPENBLAS_NUM_THREADS=1\n");
+
+  std::vector<at::ScalarType> dtypes;
+  if (dtype_opt != "double") dtypes.push_back(at::kFloat);
+  if (dtype_opt != "float") dtypes.push_back(at::kDouble);
+
+  if (!first_call.empty()) {
+    std::printf("kernel cache: %s (fresh)\n", fresh_cache.c_str());
+    for (at::ScalarType dt : dtypes)
+      for (const auto& name : workloads) {
+        auto w = ho::make_workload(name, dt, small);
+        try {
+          first_call_of(*w, first_call == "staged");
+        } catch (const std::exception& e) {
+          std::printf("%s, %s: error: %s\n", name.c_str(), dtype_name(dt), e.what());
+          return 1;
+        }
+      }
+    return 0;
+  }
+
+  bool all_ok = true;
+  std::vector<Summary> summaries;
+  for (at::ScalarType dt : dtypes)
+    for (const auto& name : workloads) {
+      auto w = ho::make_workload(name, dt, small);
+      Summary s{name, dt};
+      try {
+        all_ok = run_workload(*w, rounds, warmup, s) && all_ok;
+        summaries.push_back(s);
+      } catch (const std::exception& e) {
+        std::printf("  error: %s\n", e.what());
+        all_ok = false;
+      }
+    }
+
+  std::printf("\nsummary (ratio to libtorch eager; MFLOP of products per step, staged / whole-loss / libtorch; "
+              "GEMM share of libtorch's step)\n");
+  std::printf("  %-18s %-7s %8s %11s %8s   %12s %12s %12s %7s\n", "workload", "dtype", "staged", "whole-loss", "eager",
+              "staged", "whole-loss", "libtorch", "GEMM");
+  for (const auto& s : summaries)
+    std::printf("  %-18s %-7s %7.2fx %10.2fx %7.2fx   %12.3f %12.3f %12.3f %6.1f%%\n", s.workload.c_str(),
+                dtype_name(s.dtype), s.ratio[0], s.ratio[1], s.ratio[2], s.flops[0] * 1e-6, s.flops[1] * 1e-6,
+                s.flops[3] * 1e-6, 100 * s.libtorch_gemm_share);
+  for (std::size_t m = 0; m < 2; ++m)
+    for (at::ScalarType dt : dtypes) {
+      const Summary* worst = nullptr;
+      for (const auto& s : summaries)
+        if (s.dtype == dt && (!worst || s.ratio[m] < worst->ratio[m])) worst = &s;
+      if (worst)
+        std::printf("worst %s ratio (%s): %.2fx (%s)\n", m == 0 ? "staged" : "whole-loss", dtype_name(dt),
+                    worst->ratio[m], worst->workload.c_str());
+    }
+  std::printf("check against libtorch (first rounds): %s\n", all_ok ? "passed" : "FAILED");
+  return all_ok ? 0 : 1;
+}
