@@ -5,6 +5,8 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <system_error>
 #include <string>
 #include <vector>
 
@@ -13,6 +15,8 @@ namespace stagejit::bench {
 /// Points `$STAGEJIT_FUSION_CACHE_DIR` at a new empty folder under $TMPDIR (or /tmp),
 /// so that every kernel is compiled. Call before the first compiled call of the process
 /// (the default backend reads the variable once). Returns the folder; empty on failure.
+/// The folder is removed when the process exits normally (after the backend's compiler
+/// runs are waited for).
 inline std::string use_fresh_kernel_cache() {
   const char* tmp = std::getenv("TMPDIR");
   std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/stagejit-first-call-XXXXXX";
@@ -20,7 +24,16 @@ inline std::string use_fresh_kernel_cache() {
   buf.push_back('\0');
   if (!::mkdtemp(buf.data())) return {};
   ::setenv("STAGEJIT_FUSION_CACHE_DIR", buf.data(), 1);
-  return buf.data();
+  static std::string folder;
+  folder = buf.data();
+  // Constructed now (it reads the variable), so it is destroyed after the handler runs.
+  (void)fusion::default_cpu_backend();
+  std::atexit([] {
+    fusion::default_cpu_backend().wait_for_prefetches();
+    std::error_code ec;
+    std::filesystem::remove_all(folder, ec);
+  });
+  return folder;
 }
 
 /// Prints the breakdown of a first call that took `first_ms`, for the compiled

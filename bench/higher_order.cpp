@@ -23,7 +23,8 @@
 // Options: --workload NAME (repeatable or a comma list; default all), --dtype
 // float|double|both, --engine-threads N, --rounds R, --warmup W, --small (the tests'
 // sizes), --first-call staged|compile-loss (only the first call of that compiled mode of
-// each selected workload, in a fresh kernel cache, and where its time goes).
+// each selected workload, in a fresh kernel cache, and where its time goes; with
+// --warm-cache, in the default cache folder).
 #include "../examples/cli.hpp"
 #include "../test/support/higher_order.hpp"
 #include "bench_util.hpp"
@@ -171,11 +172,15 @@ int main(int argc, char** argv) {
                  "Only the first call of one compiled mode of each selected workload, in a fresh temporary kernel "
                  "cache: its time and where it goes (the backend's counters add up over the workloads)")
       ->check(CLI::IsMember({"staged", "compile-loss"}));
+  bool warm_cache = false;
+  app.add_flag("--warm-cache", warm_cache,
+               "With --first-call: use the default kernel cache folder (warm once a run has filled it) instead "
+               "of a fresh one");
   if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
   if (workloads.empty()) workloads = all;
 
   std::string fresh_cache;
-  if (!first_call.empty()) {
+  if (!first_call.empty() && !warm_cache) {
     fresh_cache = sj::bench::use_fresh_kernel_cache();
     if (fresh_cache.empty()) {
       std::fprintf(stderr, "error: --first-call: cannot create a temporary kernel cache folder\n");
@@ -199,7 +204,10 @@ int main(int argc, char** argv) {
   if (dtype_opt != "float") dtypes.push_back(at::kDouble);
 
   if (!first_call.empty()) {
-    std::printf("kernel cache: %s (fresh)\n", fresh_cache.c_str());
+    if (warm_cache)
+      std::printf("kernel cache: the default folder (--warm-cache)\n");
+    else
+      std::printf("kernel cache: %s (fresh)\n", fresh_cache.c_str());
     for (at::ScalarType dt : dtypes)
       for (const auto& name : workloads) {
         auto w = ho::make_workload(name, dt, small);

@@ -19,7 +19,8 @@
 //
 // Options: --dtype float|double (default float), --collocation N (default 10 000),
 // --rounds R (default 20), --warmup W (default 3), --seed S, --first-call MODE (only the
-// first call of one compiled mode, in a fresh kernel cache, and where its time goes).
+// first call of one compiled mode, in a fresh kernel cache, and where its time goes;
+// with --warm-cache, in the default cache folder).
 #include "../examples/cli.hpp"
 #include "../examples/pinn/burgers.hpp"
 #include "bench_util.hpp"
@@ -106,9 +107,13 @@ int main(int argc, char** argv) {
                  "Only the first call of one compiled mode, in a fresh temporary kernel cache: its time "
                  "and where it goes (trace, passes, closures, compiler runs, loading)")
       ->check(CLI::IsMember({"staged", "compile-loss"}));
+  bool warm_cache = false;
+  app.add_flag("--warm-cache", warm_cache,
+               "With --first-call: use the default kernel cache folder (warm once a run has filled it) instead "
+               "of a fresh one");
   if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
   std::string fresh_cache;
-  if (!first_call.empty()) {
+  if (!first_call.empty() && !warm_cache) {
     fresh_cache = sj::bench::use_fresh_kernel_cache();
     if (fresh_cache.empty()) {
       std::fprintf(stderr, "error: --first-call: cannot create a temporary kernel cache folder\n");
@@ -141,7 +146,10 @@ int main(int argc, char** argv) {
     Stepper stepper(staged ? Mode::Compiled : Mode::CompileLoss, data, cross_stage, tile_rows, !no_remat);
     Params g;
     const double ms = sj::bench::once_ms([&] { (void)stepper.step(params, g); });
-    std::printf("kernel cache: %s (fresh)\n", fresh_cache.c_str());
+    if (warm_cache)
+      std::printf("kernel cache: the default folder (--warm-cache)\n");
+    else
+      std::printf("kernel cache: %s (fresh)\n", fresh_cache.c_str());
     sj::bench::print_first_call(staged ? "the staged compiled step" : "the compile-loss step", ms,
                                 {stepper.compiled_net().stats(), stepper.compiled_loss().stats()});
     const double again = sj::bench::once_ms([&] { (void)stepper.step(params, g); });

@@ -399,7 +399,9 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
   task.create_graph = options.create_graph;
   task.keep_graph = options.keep_graph;
   task.single_threaded = options.single_threaded || !Pool::get().has_workers();
-  task.cache_host_memory = options.cache_host_memory;
+  // A graph task started inside an open HostCacheScope (compile()'s trace) keeps it on
+  // whichever thread runs its functions.
+  task.cache_host_memory = options.cache_host_memory || memory::HostCacheScope::active();
   task.hook = current_trace_hook();
   task.callbacks = callbacks.empty() ? nullptr : &callbacks;
   task.call_state = state;

@@ -28,6 +28,8 @@
 #include <future>
 #include <mutex>
 #include <sstream>
+#include <string_view>
+#include <cstdio>
 #include <thread>
 #include <unordered_map>
 
@@ -77,6 +79,16 @@ void write_file(const fs::path& p, const std::string& text) {
 std::string sha1_hex(const std::string& bytes) {
   // c10::sha1 leaves its state uninitialised for an empty string; never hash one.
   return c10::sha1(bytes.empty() ? std::string(1, '\0') : bytes).str();
+}
+
+/// The `.sum` of a cached shared object: its size and a 64-bit hash of its bytes
+/// (libstdc++'s `std::hash` of a string, MurmurHash64A). It detects a truncated or damaged
+/// file; a library swapped for another kernel's fails the symbol check instead. SHA-1 cost
+/// about 1 ms per 100 KiB library on every load, a third of a warm first call's hashing.
+std::string content_checksum(const std::string& bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "size %zu murmur64 %016zx", bytes.size(), std::hash<std::string_view>{}(bytes));
+  return buf;
 }
 
 /// A name unique within the machine for a temporary next to `final_path`.
@@ -300,6 +312,8 @@ struct CpuBackend::Impl {
   CpuBackendOptions options;
   std::string prelude;  // cpu_prelude(), copied: compile threads may outlive function statics
   std::once_flag identity_once;
+  std::once_flag common_once;
+  std::string common;  // common_digest()
   std::string identity;
   std::mutex mutex;
   std::unordered_map<std::string, std::shared_future<KernelPtr>> kernels;
@@ -419,13 +433,18 @@ struct CpuBackend::Impl {
     return identity;
   }
 
+  /// SHA-1 of what every kernel shares: prelude, compiler command, flags and identity,
+  /// computed once (the prelude alone is 11 KB, hashed again for every kernel before).
+  const std::string& common_digest() {
+    std::call_once(common_once, [&] {
+      common = sha1_hex(prelude + '\x01' + join(options.compiler) + '\x01' + join(options.flags) + '\x01' +
+                        join(options.link_flags) + '\x01' + compiler_identity());
+    });
+    return common;
+  }
+
   std::string hash_of(const KernelSource& src) {
-    std::string text;
-    text += prelude;
-    text += '\x01' + src.source + '\x01' + src.entry + '\x01' + canonical_key(src.key);
-    text += '\x01' + join(options.compiler) + '\x01' + join(options.flags) + '\x01' + join(options.link_flags);
-    text += '\x01' + compiler_identity();
-    return sha1_hex(text);
+    return sha1_hex(common_digest() + '\x01' + src.source + '\x01' + src.entry + '\x01' + canonical_key(src.key));
   }
 
   fs::path cache_dir() {
@@ -452,7 +471,7 @@ struct CpuBackend::Impl {
     };
     if (!fs::exists(so, ec) || !fs::exists(sum, ec)) return corrupt_entry("incomplete entry");
     const auto t0 = std::chrono::steady_clock::now();
-    if (sha1_hex(read_file(so)) != read_file(sum)) return corrupt_entry("checksum mismatch");
+    if (content_checksum(read_file(so)) != read_file(sum)) return corrupt_entry("checksum mismatch");
     void* handle = ::dlopen(so.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!handle) return corrupt_entry(std::string("dlopen: ") + ::dlerror());
     const std::string symbol = symbol_of(hash);
@@ -607,7 +626,7 @@ struct CpuBackend::Impl {
     kernels_compiled += int64_t(items.size());
     fs::remove(log, ec);
     fs::remove(cpp, ec);
-    const std::string checksum = sha1_hex(read_file(so_tmp));
+    const std::string checksum = content_checksum(read_file(so_tmp));
     for (BuildItem* it : items) {
       try {
         const fs::path so = dir / (it->hash + ".so");
@@ -732,6 +751,8 @@ void CpuBackend::prepare() {
 }
 
 std::string CpuBackend::hash_of(const KernelSource& source) const { return impl_->hash_of(source); }
+
+std::string CpuBackend::checksum(const std::string& bytes) { return content_checksum(bytes); }
 
 CpuBackendStats CpuBackend::stats() const {
   CpuBackendStats s;

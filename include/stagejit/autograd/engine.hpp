@@ -28,7 +28,8 @@ struct ExecuteOptions {
   bool single_threaded = false;
   /// Run each function inside a `memory::HostCacheScope`: large CPU tensors it allocates
   /// come from `memory::HostCachingAllocator` (compiled stages set this; see
-  /// core/memory/host_allocator.hpp).
+  /// core/memory/host_allocator.hpp). Also on when `execute` is called inside an open
+  /// `HostCacheScope` (as `compile()` traces).
   bool cache_host_memory = false;
   /// Edges whose incoming gradient `execute` returns (summed), in this order. When
   /// non-empty, only functions on a path to one of them run, and the functions of these

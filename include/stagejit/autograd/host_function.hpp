@@ -225,6 +225,8 @@ struct HostFunction {
                   "of a compiled call: strings (literals, const char*) as std::string, Variables, "
                   "numbers and vectors as copies; declare a string parameter std::string or "
                   "const std::string&, not const char*");
+    // Never on meta tensors: forward is the user's code (compile() then traces the real ones).
+    STAGEJIT_CHECK_AS(TraceError, !MetaTraceScope::active(), "HostFunction: not run inside a meta trace");
     variable_list inputs;
     std::vector<Scalar> scalars;
     std::string convention;

@@ -69,5 +69,22 @@ class TraceHookGuard {
   TraceHook* prev_;
 };
 
+namespace detail {
+inline thread_local int meta_trace_depth = 0;
+}  // namespace detail
+
+/// RAII: open while `compile()` traces on meta tensors (`CompileOptions::trace_on_meta`)
+/// on this thread. Host functions refuse to run inside it (their forward may read data a
+/// meta tensor does not have), which sends `compile()` to a trace of the real tensors.
+class MetaTraceScope {
+ public:
+  MetaTraceScope() noexcept { ++detail::meta_trace_depth; }
+  ~MetaTraceScope() { --detail::meta_trace_depth; }
+  MetaTraceScope(const MetaTraceScope&) = delete;
+  MetaTraceScope& operator=(const MetaTraceScope&) = delete;
+  /// True when a scope is open on this thread.
+  static bool active() noexcept { return detail::meta_trace_depth > 0; }
+};
+
 }  // namespace stagejit
 #include <stagejit/core/detail/bodies_end.hpp>

@@ -160,6 +160,11 @@ class CpuBackend {
   /// The cache hash of `source` under this backend's compiler and flags (40 hex digits).
   std::string hash_of(const KernelSource& source) const;
 
+  /// The text of a cache entry's `<hash>.sum` for a shared object whose bytes are `bytes`:
+  /// its size and a 64-bit hash of its content (not a cryptographic digest: it detects a
+  /// damaged file; a library swapped for another kernel's fails the entry-symbol check).
+  static std::string checksum(const std::string& bytes);
+
   CpuBackendStats stats() const;
   const CpuBackendOptions& options() const noexcept;
 

@@ -32,6 +32,8 @@
 #include <c10/core/CPUAllocator.h>
 #include <stagejit/core/torch_compat.hpp>
 
+#include <sys/mman.h>
+
 #include <cerrno>
 #include <cstddef>
 #include <cstdlib>
@@ -76,15 +78,15 @@ class HostCachingAllocator final : public c10::Allocator {
 
   /// Frees every cached free block (blocks in use are unaffected).
   void empty_cache() {
-    std::vector<void*> release;
+    std::vector<std::pair<void*, std::size_t>> release;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       for (auto& [size, blocks] : free_)
-        for (void* p : blocks) release.push_back(p);
+        for (void* p : blocks) release.emplace_back(p, size);
       free_.clear();
       stats_.cached_bytes = 0;
     }
-    for (void* p : release) std::free(p);
+    for (auto [p, size] : release) release_block(p, size);
   }
 
   /// Bytes of free blocks kept at most.
@@ -94,21 +96,21 @@ class HostCachingAllocator final : public c10::Allocator {
   }
   /// Sets the capacity (bytes) and frees cached blocks until the cache fits in it.
   void set_capacity(std::size_t bytes) {
-    std::vector<void*> release;
+    std::vector<std::pair<void*, std::size_t>> release;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       capacity_ = bytes;
       for (auto it = free_.begin(); it != free_.end() && stats_.cached_bytes > capacity_;) {
         auto& blocks = it->second;
         while (!blocks.empty() && stats_.cached_bytes > capacity_) {
-          release.push_back(blocks.back());
+          release.emplace_back(blocks.back(), it->first);
           blocks.pop_back();
           stats_.cached_bytes -= it->first;
         }
         it = blocks.empty() ? free_.erase(it) : std::next(it);
       }
     }
-    for (void* p : release) std::free(p);
+    for (auto [p, size] : release) release_block(p, size);
   }
 
   Stats stats() const {
@@ -148,16 +150,14 @@ class HostCachingAllocator final : public c10::Allocator {
       }
     }
     if (!ptr) {
-      ptr = std::aligned_alloc(64, size);
-      if (!ptr) throw std::bad_alloc();
+      ptr = new_block(size);
       try {
         std::lock_guard<std::mutex> lock(mutex_);
-        // insert_or_assign: an address freed behind our back and handed out again by
-        // aligned_alloc must get its new size.
+        // insert_or_assign: an address unmapped and mapped again must get its new size.
         live_.insert_or_assign(ptr, size);
         stats_.in_use_bytes += size;
       } catch (...) {
-        std::free(ptr);
+        release_block(ptr, size);
         throw;
       }
     }
@@ -165,6 +165,26 @@ class HostCachingAllocator final : public c10::Allocator {
     return c10::DataPtr(ptr, ptr, &HostCachingAllocator::free_block,
                         c10::Device(c10::DeviceType::CPU));
   }
+
+  // A new block of `size` bytes (a multiple of the page size): its own anonymous mapping,
+  // populated in one system call (MAP_POPULATE) instead of one page fault per 4 KiB page
+  // on first touch, which cost a full-size trace half its time in the kernel
+  // (bench/first_call.md); 4 MiB and more also ask for transparent huge pages.
+  static void* new_block(std::size_t size) {
+    if (size >= (std::size_t{4} << 20)) {
+      void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) throw std::bad_alloc();
+      (void)::madvise(p, size, MADV_HUGEPAGE);  // advice only: refused where THP is off
+#ifdef MADV_POPULATE_WRITE
+      (void)::madvise(p, size, MADV_POPULATE_WRITE);  // Linux 5.14+; else faulted on touch
+#endif
+      return p;
+    }
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    return p;
+  }
+  static void release_block(void* ptr, std::size_t size) noexcept { ::munmap(ptr, size); }
 
   static void free_block(void* ptr) { get().recycle(ptr); }
 
@@ -194,7 +214,7 @@ class HostCachingAllocator final : public c10::Allocator {
         }
       }
     }
-    std::free(ptr);
+    release_block(ptr, size);
     return true;
   }
 
