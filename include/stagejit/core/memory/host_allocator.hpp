@@ -174,13 +174,20 @@ class HostCachingAllocator final : public c10::Allocator {
     if (size >= (std::size_t{4} << 20)) {
       void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (p == MAP_FAILED) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
       (void)::madvise(p, size, MADV_HUGEPAGE);  // advice only: refused where THP is off
+#endif
 #ifdef MADV_POPULATE_WRITE
       (void)::madvise(p, size, MADV_POPULATE_WRITE);  // Linux 5.14+; else faulted on touch
 #endif
       return p;
     }
-    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+#ifdef MAP_POPULATE
+    constexpr int populate = MAP_POPULATE;  // Linux
+#else
+    constexpr int populate = 0;
+#endif
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | populate, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     return p;
   }
