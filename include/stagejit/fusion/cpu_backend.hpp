@@ -66,7 +66,7 @@ std::filesystem::path default_cache_dir();
 /// split at spaces, default `c++`) and the cache folder variables.
 struct CpuBackendOptions {
   std::vector<std::string> compiler;         ///< command and leading arguments
-  std::vector<std::string> flags;            ///< `-std=c++17 -O3 -march=native -fPIC -shared ...`
+  std::vector<std::string> flags;            ///< `-std=c++17 -O2 -march=native -fPIC -shared ...`
   std::vector<std::string> link_flags;       ///< libraries after the source (`-lsleef`)
   std::filesystem::path cache_dir;           ///< disk cache folder, created on first use
   /// Most compiler runs at once (`prefetch`); 0: one per hardware thread.
