@@ -247,11 +247,9 @@ V pinn_loss(const Net& net, const GradSum& grad_sum, const V& x_f, const V& x_u,
 }
 
 /// d(sum y)/dx with a graph, through stagejit (eager, or the compiled stages when y comes
-/// from a compiled function) and through libtorch. The ones are the op `sj::ones_like`,
-/// not a tensor made from `y.data()`: inside a compiled function (compile-loss) the
-/// trace then runs on meta tensors (CompileOptions::trace_on_meta).
+/// from a compiled function) and through libtorch.
 inline sj::Variable grad_sum(const sj::Variable& y, const sj::Variable& x) {
-  return sj::grad({y}, {x}, {sj::ones_like(y)}, /*create_graph=*/true)[0];
+  return sj::grad({y}, {x}, {sj::Variable(at::ones_like(y.data()))}, /*create_graph=*/true)[0];
 }
 inline torch::Tensor grad_sum(const torch::Tensor& y, const torch::Tensor& x) {
   return torch::autograd::grad({y}, {x}, {torch::ones_like(y)}, /*retain_graph=*/true,
