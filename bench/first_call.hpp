@@ -36,6 +36,19 @@ inline std::string use_fresh_kernel_cache() {
   return folder;
 }
 
+/// The kernel cache of a `--first-call` run: a fresh folder (`use_fresh_kernel_cache`),
+/// or with `warm` the default one. Returns the line to print about it; empty (after an
+/// error on stderr) when no fresh folder could be made.
+inline std::string first_call_cache(bool warm) {
+  if (warm) return "kernel cache: the default folder (--warm-cache)";
+  const std::string fresh = use_fresh_kernel_cache();
+  if (fresh.empty()) {
+    std::fprintf(stderr, "error: --first-call: cannot create a temporary kernel cache folder\n");
+    return {};
+  }
+  return "kernel cache: " + fresh + " (fresh)";
+}
+
 /// Prints the breakdown of a first call that took `first_ms`, for the compiled
 /// functions whose statistics are `stats` (summed), with the default CPU backend's
 /// counters: trace, passes, closure building, source generation, compiler runs (count,

@@ -179,14 +179,8 @@ int main(int argc, char** argv) {
   if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
   if (workloads.empty()) workloads = all;
 
-  std::string fresh_cache;
-  if (!first_call.empty() && !warm_cache) {
-    fresh_cache = sj::bench::use_fresh_kernel_cache();
-    if (fresh_cache.empty()) {
-      std::fprintf(stderr, "error: --first-call: cannot create a temporary kernel cache folder\n");
-      return 2;
-    }
-  }
+  std::string cache_line;
+  if (!first_call.empty() && (cache_line = sj::bench::first_call_cache(warm_cache)).empty()) return 2;
 
   at::set_num_threads(1);
   sj::engine::set_num_threads(engine_threads);
@@ -204,10 +198,7 @@ int main(int argc, char** argv) {
   if (dtype_opt != "float") dtypes.push_back(at::kDouble);
 
   if (!first_call.empty()) {
-    if (warm_cache)
-      std::printf("kernel cache: the default folder (--warm-cache)\n");
-    else
-      std::printf("kernel cache: %s (fresh)\n", fresh_cache.c_str());
+    std::printf("%s\n", cache_line.c_str());
     for (at::ScalarType dt : dtypes)
       for (const auto& name : workloads) {
         auto w = ho::make_workload(name, dt, small);

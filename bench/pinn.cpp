@@ -112,14 +112,8 @@ int main(int argc, char** argv) {
                "With --first-call: use the default kernel cache folder (warm once a run has filled it) instead "
                "of a fresh one");
   if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
-  std::string fresh_cache;
-  if (!first_call.empty() && !warm_cache) {
-    fresh_cache = sj::bench::use_fresh_kernel_cache();
-    if (fresh_cache.empty()) {
-      std::fprintf(stderr, "error: --first-call: cannot create a temporary kernel cache folder\n");
-      return 2;
-    }
-  }
+  std::string cache_line;
+  if (!first_call.empty() && (cache_line = sj::bench::first_call_cache(warm_cache)).empty()) return 2;
 
   if (level_field && (mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 || mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1)) {
     std::fprintf(stderr, "error: mallopt refused the level-field settings\n");
@@ -146,10 +140,7 @@ int main(int argc, char** argv) {
     Stepper stepper(staged ? Mode::Compiled : Mode::CompileLoss, data, cross_stage, tile_rows, !no_remat);
     Params g;
     const double ms = sj::bench::once_ms([&] { (void)stepper.step(params, g); });
-    if (warm_cache)
-      std::printf("kernel cache: the default folder (--warm-cache)\n");
-    else
-      std::printf("kernel cache: %s (fresh)\n", fresh_cache.c_str());
+    std::printf("%s\n", cache_line.c_str());
     sj::bench::print_first_call(staged ? "the staged compiled step" : "the compile-loss step", ms,
                                 {stepper.compiled_net().stats(), stepper.compiled_loss().stats()});
     const double again = sj::bench::once_ms([&] { (void)stepper.step(params, g); });
