@@ -24,7 +24,7 @@
 // Options: --reps R (default 30), --threads T (ATen intra-op threads; default ATen's),
 // --part all|lstm|compile|level (default all). With $STAGEJIT_BENCH_PRINT_GRAPH set, prints
 // the LSTM cell's compiled graphs.
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <torch/torch.h>
 
 #if defined(__GLIBC__)

@@ -10,7 +10,7 @@
 // Usage: OPENBLAS_NUM_THREADS=1 build/bench/data_parallel [--steps N] [--batch-size B]
 //        [--threads T] [--world-sizes 1,2,4]
 #include <stagejit/distributed/data_parallel.hpp>
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 
 #include "../examples/cli.hpp"
 #include "../examples/mlp.hpp"

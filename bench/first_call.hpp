@@ -1,7 +1,7 @@
 #pragma once
 // --first-call of bench/pinn and bench/higher_order: where a compiled function's first
 // call spends its time, in a fresh kernel cache. Not part of the library.
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 
 #include <cstdio>
 #include <cstdlib>

@@ -31,7 +31,7 @@
 // 4) when the fused forward reaches less than the fraction F of it (scripts/gpu-check: 0.8).
 // The level field, page faults and the hand-written kernels are CPU-only.
 #include <stagejit/fusion/cuda_backend.hpp>
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <torch/torch.h>
 
 #include "bench_util.hpp"

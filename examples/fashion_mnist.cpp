@@ -12,7 +12,7 @@
 //
 // Data: the gzipped IDX files of Debian's `dataset-fashion-mnist` package.
 
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #if defined(STAGEJIT_HAVE_DISTRIBUTED)
 #include <stagejit/distributed/data_parallel.hpp>
 #endif

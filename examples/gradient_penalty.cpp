@@ -11,7 +11,7 @@
 // prints the traced three-stage graph's size, L and the weight gradients, and compares
 // them with libtorch's autograd on the same numbers; it exits with status 1 if they
 // differ by more than 1e-10 (the test suite runs it).
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <torch/torch.h>
 
 #include <cstdio>

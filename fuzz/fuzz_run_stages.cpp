@@ -16,7 +16,7 @@
 #include <vector>
 
 #include <ATen/Parallel.h>
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 
 #include "fuzz_common.hpp"
 

@@ -27,7 +27,7 @@
 #include <vector>
 
 #include <stagejit/ops/node_semantics.hpp>
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 
 namespace ir = stagejit::ir;
 

@@ -1,6 +1,19 @@
 #pragma once
 /// \file
-/// One include for users: everything in docs/api.md. Users write `namespace sj = stagejit;`.
+/// One include for users: Variables, the differentiable ops, gradients, host functions and
+/// `compile()` (docs/api.md). Users write `namespace sj = stagejit;`.
+///
+/// It declares what it does not need to define: the compiler behind `compile()` (the
+/// tracer, the IR, the passes, the fusion backends, the closure compiler) is compiled once
+/// in the library (core/config.hpp), so a translation unit using this header costs about
+/// what one using ATen does (bench/compile_time.md). Code that works on graphs (printing
+/// `CompiledFunction::graph_for`, `trace`, running passes) includes
+/// `stagejit/compiler.hpp`.
+///
+/// Data-parallel training (`distributed/process_group.hpp`, `distributed/data_parallel.hpp`)
+/// is not included: it needs c10d's Gloo headers and `-DUSE_C10D_GLOO` (Meson's
+/// `stagejit_distributed_dep`, built only where libgloo-dev is found); code that uses it
+/// includes those headers itself.
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/aten_error.hpp>
@@ -21,19 +34,5 @@
 #include <stagejit/ops/ops.hpp>
 #include <stagejit/ops/small_gemm.hpp>
 #include <stagejit/core/arg_spec.hpp>
-#include <stagejit/trace/trace.hpp>
-#include <stagejit/trace/interpret.hpp>
 #include <stagejit/closure/compile.hpp>
-#include <stagejit/ir/ir.hpp>
-#include <stagejit/passes/cse.hpp>
-#include <stagejit/passes/dce.hpp>
-#include <stagejit/passes/graph_fuser.hpp>
-#include <stagejit/passes/peephole.hpp>
-#include <stagejit/passes/rematerialize.hpp>
-#include <stagejit/passes/zeros.hpp>
-#include <stagejit/fusion/kernel_spec.hpp>
-#include <stagejit/fusion/tensor_args.hpp>
-#include <stagejit/fusion/cpu_backend.hpp>
-#include <stagejit/fusion/cuda_backend.hpp>
-#include <stagejit/fusion/codegen.hpp>
 #include <stagejit/core/detail/bodies_end.hpp>

@@ -1,6 +1,6 @@
 // compile(): staged closures checked against stagejit eager and libtorch's autograd at
 // orders 0..3, plus the bug-log cases of the seed era (issue 5).
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include "../support/host_functions.hpp"

@@ -3,7 +3,7 @@
 // gradients to the call that differentiates their producers, so a backward through
 // stages 1..k differentiates the forward once. Checked against libtorch's autograd at
 // every order, with the option on and off, fused and not, specialised and not.
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include "../support/pinn_step.hpp"

@@ -2,7 +2,7 @@
 // trace stands for the real one, and traces the real tensors otherwise. Checked: the
 // graph equals the real trace's, the results equal libtorch's, and each case that must
 // fall back does (CompiledFunction::Stats::meta_traces), with the real trace's errors.
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include "../support/host_functions.hpp"

@@ -1,7 +1,7 @@
 // Issue 20 ("Nothing silent"), items 2 to 6: wrong results and unclear errors found by
 // misusing the API, each checked in eager and compiled mode against libtorch's autograd
 // (item 1 is in specialize_test.cpp, items 7 and 8 in test/ir/).
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include "../support/staged_oracle.hpp"

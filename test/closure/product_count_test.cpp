@@ -20,7 +20,7 @@
 // and a WGAN-GP critic (leaky ReLU MLP, loss mean(D(x)) + 10 mean((|grad_x D| - 1)^2)),
 // each staged (the net compiled with k derivatives, the loss's grads stepping through
 // its stages) and whole-loss (the loss with its inner grads compiled with 1 derivative).
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include "../support/pinn_step.hpp"

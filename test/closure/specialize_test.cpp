@@ -2,7 +2,7 @@
 // (passes/zeros.hpp): a compiled stage computes only the gradients the running backward
 // asks for, does no work on undefined incoming gradients, and gives libtorch's numbers
 // (issue 14; the undefined-gradient NaN of issue 20, item 1).
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include "../support/staged_oracle.hpp"

@@ -5,7 +5,7 @@
 // libtorch's autograd at every order of a physics-informed step (float and double), against
 // the same stages untiled, and through the region runner directly (its untiled fallback for
 // inputs that do not match the trace, or that LIBXSMM cannot read).
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include "../support/pinn_step.hpp"

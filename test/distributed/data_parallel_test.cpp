@@ -2,7 +2,7 @@
 // loopback (children: test/child.hpp) train the main job's MLP, and their parameters are
 // compared, after every step, with one process training on the whole batch.
 #include <stagejit/distributed/data_parallel.hpp>
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include "../../examples/mlp.hpp"

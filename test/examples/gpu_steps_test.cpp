@@ -6,7 +6,7 @@
 // the device synchronised around each step). Compiles everywhere; skipped (reported by
 // doctest) unless libtorch has CUDA and a GPU is present (scripts/gpu-check runs it).
 #include <stagejit/fusion/cuda_backend.hpp>
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include "../../examples/mlp.hpp"

@@ -3,7 +3,7 @@
 // compiler, and a compiled function's first call not waiting for its kernels. Also the
 // cache entries bound to their keys and the precompiled prelude repaired once (the
 // reliability issue, items 5, 6 and 9a).
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 #include "../child.hpp"
 #include "check_close.hpp"

@@ -7,7 +7,7 @@
 // (reported by doctest) unless libtorch has CUDA and a GPU is present (scripts/gpu-check).
 #include <stagejit/fusion/codegen.hpp>
 #include <stagejit/ir/ir.hpp>
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include "../support/models.hpp"

@@ -3,7 +3,7 @@
 // check: parse throws ParseError or gives a graph that prints, parses back and prints
 // the same; lint throws LintError or accepts; a graph lint accepts builds and runs its
 // stage 0 (`closure::run_stages`, as `stagejit-run --stage 0`) to the recorded outcome.
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include <algorithm>

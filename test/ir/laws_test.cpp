@@ -2,7 +2,7 @@
 // (as Boost.Hana tests its concepts): the test cases are instantiated from the variants
 // themselves, so a new kind is covered (a node kind fails until a graph in
 // test/ir/graphs holds one).
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include <filesystem>

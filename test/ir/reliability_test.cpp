@@ -3,7 +3,7 @@
 // keep them; the parser skips a leading UTF-8 byte-order mark, resolves the `%N.k`
 // output style's uses and reads 2018's one-line tensor dumps; parse, print, clone, lint,
 // DCE and CSE are iterative (a chain of 2 * 10^5 nodes).
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include <chrono>

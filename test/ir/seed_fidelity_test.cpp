@@ -2,7 +2,7 @@
 // print back canonically (print, parse, print: identical), and run where their ops are
 // known; messages name values and fusion groups as `--print` does, and runtime errors
 // name the line and column of the failing node.
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include <cmath>

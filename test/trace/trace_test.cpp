@@ -1,6 +1,6 @@
 // The multi-stage tracer and the reference interpreter, checked against libtorch's own
 // autograd (test/support/staged_oracle.hpp) on double inputs.
-#include <stagejit/stagejit.hpp>
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include "../support/host_functions.hpp"

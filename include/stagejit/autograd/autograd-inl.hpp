@@ -309,9 +309,6 @@ STAGEJIT_FUNC std::string Function::name() const {
           [](const PrevStageInput&) -> std::string { return "PrevStageInput"; },
           [](const EvalPlaceholder&) -> std::string { return "EvalPlaceholder"; },
           [](const Output&) -> std::string { return "Output"; },
-          [](const SimpleEval& s) -> std::string {
-            return s.fn ? "SimpleEval(" + s.fn->name() + ")" : "SimpleEval";
-          },
           [](const EmitNull&) -> std::string { return "EmitNull"; },
           [](const OpCall& c) -> std::string {
             return c.op ? "OpCall(" + std::string(c.op->name) + ")" : "OpCall";
@@ -356,10 +353,6 @@ STAGEJIT_FUNC variable_list Function::apply(variable_list inputs) {
           [&](Output&) -> variable_list {
             throw Error("Output::apply called (an Output must be stopped by a "
                         "CaptureOutputs pre-callback)");
-          },
-          [&](SimpleEval& s) -> variable_list {
-            STAGEJIT_CHECK(s.fn, "SimpleEval without a function");
-            return s.fn->apply(std::move(inputs));
           },
           [&](EmitNull&) { return undefined_list(1); },
           [&](OpCall& c) -> variable_list {
@@ -450,9 +443,7 @@ STAGEJIT_FUNC void detail::release_function(std::shared_ptr<Function>& fn) noexc
 
 STAGEJIT_FUNC Function::~Function() {
   for (auto& e : next_functions) detail::release_function(e.function);
-  if (auto* k = std::get_if<SimpleEval>(&kind)) {
-    detail::release_function(k->fn);
-  } else if (auto* ev = std::get_if<Eval>(&kind)) {
+  if (auto* ev = std::get_if<Eval>(&kind)) {
     for (auto& e : ev->roots) detail::release_function(e.function);
     for (auto& p : ev->placeholders) detail::release_function(p);
   } else if (auto* out = std::get_if<EvalOutput>(&kind)) {

@@ -5,7 +5,7 @@
 /// variants"); `next_functions` are its outgoing edges. Eager kinds: AccumulateGrad,
 /// OpBackward, HostBackward, Eval (+ EvalOutput), Error. Closure kinds (filled by the
 /// closure compiler; docs/seed-system.md §3.2): Replicate, InputPlaceholder, PrevStageInput,
-/// EvalPlaceholder, Output, SimpleEval, EmitNull, OpCall, AtenCall, HostCall, WrapConstant,
+/// EvalPlaceholder, Output, EmitNull, OpCall, AtenCall, HostCall, WrapConstant,
 /// ConstantFactory, FusedKernel and ClosureFunction (type-erased closure).
 
 #include <stagejit/core/detail/bodies_begin.hpp>
@@ -74,8 +74,6 @@ struct PrevStageInput {};
 struct EvalPlaceholder {};
 /// The stage's Return: must be stopped by a CaptureOutputs pre-callback (throws otherwise).
 struct Output {};
-/// Applies another Function (a traced opaque function object).
-struct SimpleEval { std::shared_ptr<Function> fn; };
 /// Returns one undefined Variable.
 struct EmitNull {};
 /// Runs one table op on its inputs (an IR `Op` node). A nullary op (`zeros`) is
@@ -131,7 +129,7 @@ struct ClosureFunction { std::shared_ptr<ClosureImpl> impl; };
 using FunctionKind =
     std::variant<AccumulateGrad, OpBackward, HostBackward, ErrorFunction, Eval, EvalOutput,
                  Replicate, InputPlaceholder, PrevStageInput, EvalPlaceholder, Output,
-                 SimpleEval, EmitNull, OpCall, AtenCall, HostCall, WrapConstant, ConstantFactory,
+                 EmitNull, OpCall, AtenCall, HostCall, WrapConstant, ConstantFactory,
                  FusedKernel, ClosureFunction>;
 
 /// A node of the backward graph. Apply it with `apply` (the engine does).
@@ -148,8 +146,8 @@ struct Function : std::enable_shared_from_this<Function> {
   Function(FunctionKind k, std::vector<Edge> next, uint32_t inputs)
       : kind(std::move(k)), next_functions(std::move(next)), num_inputs(inputs),
         sequence_nr(next_sequence_nr()) {}
-  /// Hands the Functions it owns (next_functions, and those a SimpleEval, Eval or
-  /// EvalOutput holds) to `detail::release_function`, so a chain of any length is freed
+  /// Hands the Functions it owns (next_functions, and those an Eval or EvalOutput
+  /// holds) to `detail::release_function`, so a chain of any length is freed
   /// without recursion (Note [Iterative release] in autograd/autograd-inl.hpp).
   ~Function();
   Function(const Function&) = delete;

@@ -19,6 +19,8 @@ namespace stagejit {
 struct Function;
 class Variable;
 using variable_list = std::vector<Variable>;
+/// A function traced by `trace` and compiled by `compile`.
+using traced_fn = std::function<variable_list(const variable_list&)>;
 
 /// An edge of the backward graph: gradient flows into input slot `input_nr` of `function`.
 /// A null `function` means "no gradient needed here".

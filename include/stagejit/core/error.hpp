@@ -86,6 +86,14 @@ class DtypeError : public Error {
   using Error::Error;
 };
 
+/// A bug in stagejit, not in the caller's input: an internal invariant failed
+/// (`STAGEJIT_ASSERT`, checked in debug builds). The message says so, names the file and
+/// line and asks for a report; the caller's program and data are not at fault.
+class InternalError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A fusion kernel could not be generated, compiled, loaded or launched.
 class FusionError : public Error {
  public:
@@ -137,16 +145,17 @@ template <class E, class... Args>
     if (!(cond)) ::stagejit::detail::throw_error<ErrorType>(__VA_ARGS__); \
   } while (false)
 
-/// Internal invariant, checked in debug builds only (never for user input).
+/// Internal invariant, checked in debug builds only (never for user input): throws
+/// `stagejit::InternalError` ("bug in stagejit: ...").
 #ifdef NDEBUG
 #define STAGEJIT_ASSERT(cond, ...) ((void)0)
 #else
 #define STAGEJIT_ASSERT(cond, ...)                                                  \
   do {                                                                              \
     if (!(cond))                                                                    \
-      ::stagejit::detail::throw_error<::stagejit::Error>("internal assertion `" #cond \
-                                                         "` failed at " __FILE__ ":", \
-                                                         __LINE__, ": " __VA_OPT__(, ) __VA_ARGS__); \
+      ::stagejit::detail::throw_error<::stagejit::InternalError>(                    \
+          "bug in stagejit (please report it): internal assertion `" #cond       \
+          "` failed at " __FILE__ ":", __LINE__, ": " __VA_OPT__(, ) __VA_ARGS__); \
   } while (false)
 #endif
 #include <stagejit/core/detail/bodies_end.hpp>

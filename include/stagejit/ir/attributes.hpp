@@ -56,7 +56,7 @@ inline AttributeValue to_attribute(const Scalar& s) {
       [](const auto& v) -> AttributeValue {
         using T = std::decay_t<decltype(v)>;
         if constexpr (std::is_same_v<T, bool>) return int64_t(v ? 1 : 0);
-        else if constexpr (std::is_same_v<T, NoneScalar>) throw IrError("None has no attribute form (SPEC 1.5 kinds)");
+        else if constexpr (std::is_same_v<T, NoneScalar>) throw IrError("a None scalar has no attribute form (attributes are ints, floats, strings, tensors and lists of them)");
         else return v;
       },
       s);
@@ -156,7 +156,7 @@ inline std::string format_scalar(const Scalar& s) {
 #ifdef STAGEJIT_HEADER_TEST_CASES
 #include <stagejit/testing/doctest.hpp>
 TEST_SUITE("ir") {
-  TEST_CASE("Scalars convert to the SPEC 1.6 attribute kinds and print by kind") {
+  TEST_CASE("Scalars convert to the attribute kinds and print by kind") {
     using namespace stagejit::ir;
     stagejit::Attributes a = {{"alpha", 1.0},
                               {"dim", int64_t(1)},

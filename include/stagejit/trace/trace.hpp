@@ -82,9 +82,6 @@ struct StageInputRef {
   friend bool operator==(const StageInputRef&, const StageInputRef&) = default;
 };
 
-/// A function traced by `trace` and compiled by `compile`.
-using traced_fn = std::function<variable_list(const variable_list&)>;
-
 class Trace;
 namespace detail {
 inline Trace trace_stages(const traced_fn& fn, const variable_list& inputs, std::size_t k, bool cut);

@@ -5,3 +5,4 @@
 #include <stagejit/autograd/autograd-inl.hpp>
 #include <stagejit/ops/ops-inl.hpp>
 #include <stagejit/ops/small_gemm-inl.hpp>
+#include <stagejit/closure/compile-inl.hpp>
