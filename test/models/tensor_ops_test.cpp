@@ -8,6 +8,7 @@
 #include "../autograd/oracle.hpp"
 #include "../support/check_stages.hpp"
 
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/gradcheck.hpp>
 
 #include <cmath>
