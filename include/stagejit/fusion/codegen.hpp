@@ -178,8 +178,7 @@ inline KernelBody kernel_body(const ir::Graph& g, const std::vector<at::Tensor>&
     STAGEJIT_CHECK_AS(FusionError, n->outputs().size() == 1, "fusion: node #", n->id(), " (", n->describe(),
                       ") has ", n->outputs().size(), " outputs; fused nodes have one");
     bool result_bool = false;
-    const std::string expr = cuda ? cuda_op_expression(*n, operands, operand_bool, result_bool)
-                                  : op_expression(*n, operands, operand_bool, result_bool);
+    const std::string expr = op_expression(*n, operands, operand_bool, result_bool, cuda);
     const std::string name = "t" + std::to_string(k++);
     if (with_text) body.statements += std::string(cuda ? "    const T " : "        const V ") + name + " = " + expr + ";\n";
     var[n->output()] = name;

@@ -7,8 +7,9 @@
 /// template's scalar C form (fmadd for add/sub/rsub, NaN-propagating clamp/relu/maximum/
 /// minimum, pow's special exponents, comparisons yielding 1/0, blends for where/masked_fill
 /// and the piecewise activations softplus/elu/leaky_relu, GELU's tanh form).
-/// CUDA (`cuda_op_expression`): scalar expressions in the compute type `T`, one thread
-/// per element, following ATen's CUDA kernels.
+/// CUDA: scalar expressions in the compute type `T`, one thread per element, following
+/// ATen's CUDA kernels. The overrides of both dialects are one table (`op_forms()`: per op,
+/// its CPU form and its CUDA form), read by `op_expression`.
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
@@ -215,258 +216,309 @@ inline void check_operand_count(const std::string& name, size_t have, size_t wan
                       std::to_string(have));
 }
 
-/// The expression computing `node` (an elementwise Op) from `operands` (C++ expressions
-/// of type V), and whether its result is boolean (stored as 1/0 in T). `operand_bool`
-/// tells which operands are boolean. Throws FusionError for ops it cannot express.
-inline std::string op_expression(const ir::Node& node, const std::vector<std::string>& operands,
-                                 const std::vector<bool>& operand_bool, bool& result_bool) {
-  const ir::Op* op = &fusable_op(node);
-  const OpSchema& schema = op->schema();
-  const std::string name(op->name());
-  std::vector<std::string> a = operands;
-  auto need = [&](size_t n) { check_operand_count(name, a.size(), n); };
-  // Scalar forms: the attribute `other` (or `exponent`) is the second operand.
-  auto scalar_second = [&](std::string_view key) {
-    if (a.size() == 1) {
-      auto v = number_attribute(*op, key);
-      if (!v) throw FusionError("fusion: op '" + name + "' with one input needs attribute '" + std::string(key) + "'");
-      a.push_back(literal(*v));
-    }
-  };
-  result_bool = false;
-  switch (op->id()) {
-    case OpId::add:
-    case OpId::sub:
-    case OpId::rsub: {
-      scalar_second("other");
-      need(2);
-      double alpha = number_attribute(*op, "alpha").value_or(1.0);
-      if (op->id() != OpId::add) alpha = -alpha;
-      // ATen's vectorised add is fmadd(other, alpha, self); sub is add with -alpha;
-      // rsub(self, other) is sub(other, self).
-      if (op->id() == OpId::rsub) return "at::vec::fmadd(" + a[0] + ", " + literal(alpha) + ", " + a[1] + ")";
-      return "at::vec::fmadd(" + a[1] + ", " + literal(alpha) + ", " + a[0] + ")";
-    }
-    case OpId::mul:
-    case OpId::div:
-      scalar_second("other");
-      break;  // the template
-    case OpId::pow: {
-      if (a.size() == 1) {
-        // ATen's pow_tensor_scalar special cases.
-        const double e = number_attribute(*op, "exponent").value_or(1.0);
-        const std::string& x = a[0];
-        if (e == 0.5) return x + ".sqrt()";
-        if (e == 2) return "(" + x + " * " + x + ")";
-        if (e == 3) return "(" + x + " * " + x + " * " + x + ")";
-        if (e == -0.5) return x + ".rsqrt()";
-        if (e == -1) return x + ".reciprocal()";
-        if (e == -2) return "(" + x + " * " + x + ").reciprocal()";
-        // Known gap: ATen's scalar tail loop uses the double exponent, its vector loop T(e);
-        // we use T(e) everywhere, so float results can differ by a few ulp from eager for
-        // exponents not representable in float.
-        return x + ".pow(" + literal(e) + ")";
-      }
-      need(2);
-      return a[0] + ".pow(" + a[1] + ")";
-    }
-    case OpId::relu:
-      need(1);
-      return "at::vec::clamp_min(" + a[0] + ", " + literal(0) + ")";
-    case OpId::clamp: {
-      need(1);
-      auto lo = number_attribute(*op, "min"), hi = number_attribute(*op, "max");
-      if (lo && hi) return "at::vec::clamp(" + a[0] + ", " + literal(*lo) + ", " + literal(*hi) + ")";
-      if (lo) return "at::vec::clamp_min(" + a[0] + ", " + literal(*lo) + ")";
-      if (hi) return "at::vec::clamp_max(" + a[0] + ", " + literal(*hi) + ")";
-      return a[0];
-    }
-    case OpId::maximum:
-    case OpId::minimum:
-      need(2);
-      return "at::vec::" + name + "(" + a[0] + ", " + a[1] + ")";
-    case OpId::sign:
-      need(1);
-      return "sjf::sign(" + a[0] + ")";
-    case OpId::eq: case OpId::ne: case OpId::lt: case OpId::le: case OpId::gt: case OpId::ge:
-      // Vectorized's comparison members of the same names yield 1/0.
-      scalar_second("other");
-      need(2);
-      result_bool = true;
-      return a[0] + "." + name + "(" + a[1] + ")";
-    case OpId::logical_and:
-      need(2);
-      result_bool = true;
-      return "(" + a[0] + ".ne(" + literal(0) + ") * " + a[1] + ".ne(" + literal(0) + "))";
-    case OpId::where:
-      need(3);
-      result_bool = operand_bool[1] && operand_bool[2];
-      return "V::blendv(" + a[2] + ", " + a[1] + ", " + a[0] + " != " + literal(0) + ")";
-    case OpId::masked_fill: {
-      need(2);
-      auto v = number_attribute(*op, "value");
-      if (!v) throw FusionError("fusion: op 'masked_fill' needs attribute 'value'");
-      result_bool = operand_bool[0];
-      return "V::blendv(" + a[0] + ", " + literal(*v) + ", " + a[1] + " != " + literal(0) + ")";
-    }
-    case OpId::threshold: {
-      need(1);
-      auto thr = number_attribute(*op, "threshold"), v = number_attribute(*op, "value");
-      if (!thr || !v) throw FusionError("fusion: op 'threshold' needs attributes 'threshold' and 'value'");
-      // ATen's kernel: x <= threshold ? value : x (a NaN compares false and stays).
-      return "V::blendv(" + a[0] + ", " + literal(*v) + ", " + a[0] + " <= " + literal(*thr) + ")";
-    }
-    case OpId::gelu:
-      // Known gap: in float, both forms can differ from ATen's CPU gelu kernel by more than
-      // a few ulp in the negative tail (x below about -3, where 1 + erf and 1 + tanh cancel):
-      // ATen's kernel evaluates erf / tanh otherwise than Vectorized's members do. Double
-      // agrees to rounding (fusion tests: activations_group in double only).
-      need(1);
-      if (gelu_tanh_form(*op)) return gelu_tanh_expression(a[0], [](double x) { return literal(x); }, "sjf::tanh");
-      break;  // the template (exact form)
-    case OpId::softplus: {
-      need(1);
-      // ATen's kernel: beta x > threshold ? x : log1p(exp(beta x)) / beta.
-      const std::string beta = literal(number_attribute(*op, "beta").value_or(1.0));
-      const std::string thr = literal(number_attribute(*op, "threshold").value_or(20.0));
-      const std::string bx = "(" + a[0] + " * " + beta + ")";
-      return "V::blendv(sjf::log1p(sjf::exp(" + bx + ")) / " + beta + ", " + a[0] + ", " + bx + " > " + thr + ")";
-    }
-    case OpId::elu: {
-      need(1);
-      const std::string alpha = literal(number_attribute(*op, "alpha").value_or(1.0));
-      // ATen's kernel: x <= 0 ? expm1(x) * alpha : x, or (exp(x) - 1) * alpha in the
-      // libtorch versions before pytorch#173968 (1.13 among them): as the ATen in use does.
-      const std::string em1 = aten_elu_uses_expm1() ? "sjf::expm1(" + a[0] + ")"
-                                                    : "(sjf::exp(" + a[0] + ") - " + literal(1) + ")";
-      return "V::blendv(" + a[0] + ", " + em1 + " * " + alpha + ", " + a[0] + " <= " + literal(0) + ")";
-    }
-    case OpId::leaky_relu: {
-      need(1);
-      const std::string slope = literal(number_attribute(*op, "negative_slope").value_or(0.01));
-      return "V::blendv(" + a[0] + " * " + slope + ", " + a[0] + ", " + a[0] + " > " + literal(0) + ")";
-    }
-    case OpId::to:
-      throw FusionError("fusion: op 'to' (a dtype cast) is not fused");
-    default:
-      break;  // the template
-  }
-  if (schema.fusion_template.empty()) throw FusionError("fusion: op '" + name + "' has no fusion template");
-  return finalise_template(schema.fusion_template, *op, a);
-}
+/// One op's expression being built in one dialect: the op, its operands (C++ expressions
+/// of type V on the CPU, of the compute type T in CUDA; `scalar_second` may add one) and
+/// whether they are boolean, and the result's booleanness to set.
+struct OpExpression {
+  const ir::Op& op;
+  std::string name;
+  std::vector<std::string> a;
+  const std::vector<bool>& operand_bool;
+  bool& result_bool;
+  bool cuda;
 
-
-/// The CUDA dialect of `op_expression`: a scalar expression of type `T` (the compute
-/// type; `operands` are expressions of type T, booleans held as 1/0) with ATen's CUDA
-/// semantics: `a + alpha * b` for add/sub/rsub, NaN-propagating relu/clamp/maximum/
-/// minimum, pow's special exponents (ATen's pow_tensor_scalar), `rsqrt`, comparisons and
-/// logical_and yielding 1/0, selects for where/masked_fill/threshold. Literals are `T(x)`.
-/// Throws FusionError for ops it cannot express (`to`, non-elementwise or unknown ops).
-inline std::string cuda_op_expression(const ir::Node& node, const std::vector<std::string>& operands,
-                                      const std::vector<bool>& operand_bool, bool& result_bool) {
-  const ir::Op* op = &fusable_op(node);
-  const OpSchema& schema = op->schema();
-  const std::string name(op->name());
-  std::vector<std::string> a = operands;
-  auto need = [&](size_t n) { check_operand_count(name, a.size(), n); };
-  auto lit = [](double x) { return literal(x, true); };
-  auto scalar_second = [&](std::string_view key) {
+  /// `x` as a literal of the dialect.
+  std::string lit(double x) const { return literal(x, cuda); }
+  std::optional<double> attr(std::string_view key) const { return number_attribute(op, key); }
+  void need(size_t n) const { check_operand_count(name, a.size(), n); }
+  /// Scalar forms: the attribute `other` (or `exponent`) is the second operand.
+  void scalar_second(std::string_view key) {
     if (a.size() == 1) {
-      auto v = number_attribute(*op, key);
+      auto v = number_attribute(op, key);
       if (!v) throw FusionError("fusion: op '" + name + "' with one input needs attribute '" + std::string(key) + "'");
       a.push_back(lit(*v));
     }
-  };
-  result_bool = false;
-  switch (op->id()) {
-    case OpId::add:
-    case OpId::sub:
-    case OpId::rsub: {
-      scalar_second("other");
-      need(2);
-      const double alpha = number_attribute(*op, "alpha").value_or(1.0);
-      const std::string scaled = alpha == 1.0 ? "" : lit(alpha) + " * ";
-      if (op->id() == OpId::add) return "(" + a[0] + " + " + scaled + a[1] + ")";
-      if (op->id() == OpId::sub) return "(" + a[0] + " - " + scaled + a[1] + ")";
-      return "(" + a[1] + " - " + scaled + a[0] + ")";
-    }
-    case OpId::mul:
-    case OpId::div:
-      scalar_second("other");
-      break;  // the template
-    case OpId::pow: {
-      if (a.size() == 1) {
-        const double e = number_attribute(*op, "exponent").value_or(1.0);
-        const std::string& x = a[0];
-        if (e == 0.5) return "sjf_sqrt(" + x + ")";
-        if (e == 2) return "(" + x + " * " + x + ")";
-        if (e == 3) return "(" + x + " * " + x + " * " + x + ")";
-        if (e == -0.5) return "sjf_rsqrt(" + x + ")";
-        if (e == -1) return "(" + lit(1) + " / " + x + ")";
-        if (e == -2) return "(" + lit(1) + " / (" + x + " * " + x + "))";
-        return "sjf_pow(" + x + ", " + lit(e) + ")";
-      }
-      need(2);
-      return "sjf_pow(" + a[0] + ", " + a[1] + ")";
-    }
-    case OpId::rsqrt:
-      need(1);
-      return "sjf_rsqrt(" + a[0] + ")";
-    case OpId::relu:
-      need(1);
-      return "sj_clamp_min(" + a[0] + ", " + lit(0) + ")";
-    case OpId::clamp: {
-      need(1);
-      auto lo = number_attribute(*op, "min"), hi = number_attribute(*op, "max");
-      std::string e = a[0];
-      if (lo) e = "sj_clamp_min(" + e + ", " + lit(*lo) + ")";
-      if (hi) e = "sj_clamp_max(" + e + ", " + lit(*hi) + ")";
-      return e;
-    }
-    case OpId::sign:
-      need(1);
-      return "T((" + lit(0) + " < " + a[0] + ") - (" + a[0] + " < " + lit(0) + "))";
-    case OpId::eq: case OpId::ne: case OpId::lt: case OpId::le: case OpId::gt: case OpId::ge: {
-      scalar_second("other");
-      need(2);
-      result_bool = true;
-      static const char* const ops[] = {"==", "!=", "<", "<=", ">", ">="};
-      const int k = op->id() == OpId::eq ? 0 : op->id() == OpId::ne ? 1 : op->id() == OpId::lt ? 2
-                  : op->id() == OpId::le ? 3 : op->id() == OpId::gt ? 4 : 5;
-      return "T(" + a[0] + " " + ops[k] + " " + a[1] + ")";
-    }
-    case OpId::logical_and:
-      need(2);
-      result_bool = true;
-      return "T(" + a[0] + " != " + lit(0) + " && " + a[1] + " != " + lit(0) + ")";
-    case OpId::where:
-      need(3);
-      result_bool = operand_bool[1] && operand_bool[2];
-      return "(" + a[0] + " != " + lit(0) + " ? " + a[1] + " : " + a[2] + ")";
-    case OpId::masked_fill: {
-      need(2);
-      auto v = number_attribute(*op, "value");
-      if (!v) throw FusionError("fusion: op 'masked_fill' needs attribute 'value'");
-      result_bool = operand_bool[0];
-      return "(" + a[1] + " != " + lit(0) + " ? " + lit(*v) + " : " + a[0] + ")";
-    }
-    case OpId::threshold: {
-      need(1);
-      auto thr = number_attribute(*op, "threshold"), v = number_attribute(*op, "value");
-      if (!thr || !v) throw FusionError("fusion: op 'threshold' needs attributes 'threshold' and 'value'");
-      return "(" + a[0] + " <= " + lit(*thr) + " ? " + lit(*v) + " : " + a[0] + ")";
-    }
-    case OpId::gelu:
-      need(1);
-      if (gelu_tanh_form(*op)) return gelu_tanh_expression(a[0], lit, "sjf_tanh");
-      break;  // the template (exact form)
-    case OpId::to:
-      throw FusionError("fusion: op 'to' (a dtype cast) is not fused");
-    default:
-      break;  // the template
   }
-  if (schema.fusion_template.empty()) throw FusionError("fusion: op '" + name + "' has no fusion template");
-  return finalise_template(schema.fusion_template, *op, a, true);
+};
+
+/// An op's expression in one dialect, or nullopt for the op table's template (finalised
+/// on `e.a`). Throws FusionError for ops the dialect cannot express.
+using OpForm = std::optional<std::string> (*)(OpExpression& e);
+
+/// The ops whose expression is not (only) the op table's template, with their form in the
+/// CPU dialect (ATen `Vectorized<T>`, as ATen's CPU kernels compute) and in the CUDA
+/// dialect (scalar, as ATen's CUDA kernels compute); a null form is the template.
+struct OpForms {
+  std::vector<OpId> ops;
+  OpForm cpu;
+  OpForm cuda;
+};
+
+/// The table of op expressions, one entry per op (or per family of ops sharing a form);
+/// an op not listed is its template in both dialects.
+inline const std::vector<OpForms>& op_forms() {
+  using R = std::optional<std::string>;
+  static const std::vector<OpForms> table = {
+      {{OpId::add, OpId::sub, OpId::rsub},
+       [](OpExpression& e) -> R {
+         e.scalar_second("other");
+         e.need(2);
+         double alpha = e.attr("alpha").value_or(1.0);
+         if (e.op.id() != OpId::add) alpha = -alpha;
+         // ATen's vectorised add is fmadd(other, alpha, self); sub is add with -alpha;
+         // rsub(self, other) is sub(other, self).
+         if (e.op.id() == OpId::rsub) return "at::vec::fmadd(" + e.a[0] + ", " + e.lit(alpha) + ", " + e.a[1] + ")";
+         return "at::vec::fmadd(" + e.a[1] + ", " + e.lit(alpha) + ", " + e.a[0] + ")";
+       },
+       [](OpExpression& e) -> R {
+         e.scalar_second("other");
+         e.need(2);
+         const double alpha = e.attr("alpha").value_or(1.0);
+         const std::string scaled = alpha == 1.0 ? "" : e.lit(alpha) + " * ";
+         if (e.op.id() == OpId::add) return "(" + e.a[0] + " + " + scaled + e.a[1] + ")";
+         if (e.op.id() == OpId::sub) return "(" + e.a[0] + " - " + scaled + e.a[1] + ")";
+         return "(" + e.a[1] + " - " + scaled + e.a[0] + ")";
+       }},
+      {{OpId::mul, OpId::div},
+       [](OpExpression& e) -> R {
+         e.scalar_second("other");
+         return std::nullopt;  // the template
+       },
+       [](OpExpression& e) -> R {
+         e.scalar_second("other");
+         return std::nullopt;  // the template
+       }},
+      {{OpId::pow},
+       [](OpExpression& e) -> R {
+         if (e.a.size() == 1) {
+           // ATen's pow_tensor_scalar special cases.
+           const double p = e.attr("exponent").value_or(1.0);
+           const std::string& x = e.a[0];
+           if (p == 0.5) return x + ".sqrt()";
+           if (p == 2) return "(" + x + " * " + x + ")";
+           if (p == 3) return "(" + x + " * " + x + " * " + x + ")";
+           if (p == -0.5) return x + ".rsqrt()";
+           if (p == -1) return x + ".reciprocal()";
+           if (p == -2) return "(" + x + " * " + x + ").reciprocal()";
+           // Known gap: ATen's scalar tail loop uses the double exponent, its vector loop T(e);
+           // we use T(e) everywhere, so float results can differ by a few ulp from eager for
+           // exponents not representable in float.
+           return x + ".pow(" + e.lit(p) + ")";
+         }
+         e.need(2);
+         return e.a[0] + ".pow(" + e.a[1] + ")";
+       },
+       [](OpExpression& e) -> R {
+         if (e.a.size() == 1) {
+           const double p = e.attr("exponent").value_or(1.0);
+           const std::string& x = e.a[0];
+           if (p == 0.5) return "sjf_sqrt(" + x + ")";
+           if (p == 2) return "(" + x + " * " + x + ")";
+           if (p == 3) return "(" + x + " * " + x + " * " + x + ")";
+           if (p == -0.5) return "sjf_rsqrt(" + x + ")";
+           if (p == -1) return "(" + e.lit(1) + " / " + x + ")";
+           if (p == -2) return "(" + e.lit(1) + " / (" + x + " * " + x + "))";
+           return "sjf_pow(" + x + ", " + e.lit(p) + ")";
+         }
+         e.need(2);
+         return "sjf_pow(" + e.a[0] + ", " + e.a[1] + ")";
+       }},
+      {{OpId::rsqrt},
+       nullptr,
+       [](OpExpression& e) -> R {
+         e.need(1);
+         return "sjf_rsqrt(" + e.a[0] + ")";
+       }},
+      {{OpId::relu},
+       [](OpExpression& e) -> R {
+         e.need(1);
+         return "at::vec::clamp_min(" + e.a[0] + ", " + e.lit(0) + ")";
+       },
+       [](OpExpression& e) -> R {
+         e.need(1);
+         return "sj_clamp_min(" + e.a[0] + ", " + e.lit(0) + ")";
+       }},
+      {{OpId::clamp},
+       [](OpExpression& e) -> R {
+         e.need(1);
+         auto lo = e.attr("min"), hi = e.attr("max");
+         if (lo && hi) return "at::vec::clamp(" + e.a[0] + ", " + e.lit(*lo) + ", " + e.lit(*hi) + ")";
+         if (lo) return "at::vec::clamp_min(" + e.a[0] + ", " + e.lit(*lo) + ")";
+         if (hi) return "at::vec::clamp_max(" + e.a[0] + ", " + e.lit(*hi) + ")";
+         return e.a[0];
+       },
+       [](OpExpression& e) -> R {
+         e.need(1);
+         auto lo = e.attr("min"), hi = e.attr("max");
+         std::string x = e.a[0];
+         if (lo) x = "sj_clamp_min(" + x + ", " + e.lit(*lo) + ")";
+         if (hi) x = "sj_clamp_max(" + x + ", " + e.lit(*hi) + ")";
+         return x;
+       }},
+      {{OpId::maximum, OpId::minimum},
+       [](OpExpression& e) -> R {
+         e.need(2);
+         return "at::vec::" + e.name + "(" + e.a[0] + ", " + e.a[1] + ")";
+       },
+       nullptr},
+      {{OpId::sign},
+       [](OpExpression& e) -> R {
+         e.need(1);
+         return "sjf::sign(" + e.a[0] + ")";
+       },
+       [](OpExpression& e) -> R {
+         e.need(1);
+         return "T((" + e.lit(0) + " < " + e.a[0] + ") - (" + e.a[0] + " < " + e.lit(0) + "))";
+       }},
+      {{OpId::eq, OpId::ne, OpId::lt, OpId::le, OpId::gt, OpId::ge},
+       [](OpExpression& e) -> R {
+         // Vectorized's comparison members of the same names yield 1/0.
+         e.scalar_second("other");
+         e.need(2);
+         e.result_bool = true;
+         return e.a[0] + "." + e.name + "(" + e.a[1] + ")";
+       },
+       [](OpExpression& e) -> R {
+         e.scalar_second("other");
+         e.need(2);
+         e.result_bool = true;
+         static const char* const ops[] = {"==", "!=", "<", "<=", ">", ">="};
+         const OpId id = e.op.id();
+         const int k = id == OpId::eq ? 0 : id == OpId::ne ? 1 : id == OpId::lt ? 2
+                     : id == OpId::le ? 3 : id == OpId::gt ? 4 : 5;
+         return "T(" + e.a[0] + " " + ops[k] + " " + e.a[1] + ")";
+       }},
+      {{OpId::logical_and},
+       [](OpExpression& e) -> R {
+         e.need(2);
+         e.result_bool = true;
+         return "(" + e.a[0] + ".ne(" + e.lit(0) + ") * " + e.a[1] + ".ne(" + e.lit(0) + "))";
+       },
+       [](OpExpression& e) -> R {
+         e.need(2);
+         e.result_bool = true;
+         return "T(" + e.a[0] + " != " + e.lit(0) + " && " + e.a[1] + " != " + e.lit(0) + ")";
+       }},
+      {{OpId::where},
+       [](OpExpression& e) -> R {
+         e.need(3);
+         e.result_bool = e.operand_bool[1] && e.operand_bool[2];
+         return "V::blendv(" + e.a[2] + ", " + e.a[1] + ", " + e.a[0] + " != " + e.lit(0) + ")";
+       },
+       [](OpExpression& e) -> R {
+         e.need(3);
+         e.result_bool = e.operand_bool[1] && e.operand_bool[2];
+         return "(" + e.a[0] + " != " + e.lit(0) + " ? " + e.a[1] + " : " + e.a[2] + ")";
+       }},
+      {{OpId::masked_fill},
+       [](OpExpression& e) -> R {
+         e.need(2);
+         auto v = e.attr("value");
+         if (!v) throw FusionError("fusion: op 'masked_fill' needs attribute 'value'");
+         e.result_bool = e.operand_bool[0];
+         return "V::blendv(" + e.a[0] + ", " + e.lit(*v) + ", " + e.a[1] + " != " + e.lit(0) + ")";
+       },
+       [](OpExpression& e) -> R {
+         e.need(2);
+         auto v = e.attr("value");
+         if (!v) throw FusionError("fusion: op 'masked_fill' needs attribute 'value'");
+         e.result_bool = e.operand_bool[0];
+         return "(" + e.a[1] + " != " + e.lit(0) + " ? " + e.lit(*v) + " : " + e.a[0] + ")";
+       }},
+      {{OpId::threshold},
+       [](OpExpression& e) -> R {
+         e.need(1);
+         auto thr = e.attr("threshold"), v = e.attr("value");
+         if (!thr || !v) throw FusionError("fusion: op 'threshold' needs attributes 'threshold' and 'value'");
+         // ATen's kernel: x <= threshold ? value : x (a NaN compares false and stays).
+         return "V::blendv(" + e.a[0] + ", " + e.lit(*v) + ", " + e.a[0] + " <= " + e.lit(*thr) + ")";
+       },
+       [](OpExpression& e) -> R {
+         e.need(1);
+         auto thr = e.attr("threshold"), v = e.attr("value");
+         if (!thr || !v) throw FusionError("fusion: op 'threshold' needs attributes 'threshold' and 'value'");
+         return "(" + e.a[0] + " <= " + e.lit(*thr) + " ? " + e.lit(*v) + " : " + e.a[0] + ")";
+       }},
+      {{OpId::gelu},
+       [](OpExpression& e) -> R {
+         // Known gap: in float, both forms can differ from ATen's CPU gelu kernel by more than
+         // a few ulp in the negative tail (x below about -3, where 1 + erf and 1 + tanh cancel):
+         // ATen's kernel evaluates erf / tanh otherwise than Vectorized's members do. Double
+         // agrees to rounding (fusion tests: activations_group in double only).
+         e.need(1);
+         if (gelu_tanh_form(e.op)) return gelu_tanh_expression(e.a[0], [](double x) { return literal(x); }, "sjf::tanh");
+         return std::nullopt;  // the template (exact form)
+       },
+       [](OpExpression& e) -> R {
+         e.need(1);
+         if (gelu_tanh_form(e.op)) return gelu_tanh_expression(e.a[0], [](double x) { return literal(x, true); }, "sjf_tanh");
+         return std::nullopt;  // the template (exact form)
+       }},
+      {{OpId::softplus},
+       [](OpExpression& e) -> R {
+         e.need(1);
+         // ATen's kernel: beta x > threshold ? x : log1p(exp(beta x)) / beta.
+         const std::string beta = e.lit(e.attr("beta").value_or(1.0));
+         const std::string thr = e.lit(e.attr("threshold").value_or(20.0));
+         const std::string bx = "(" + e.a[0] + " * " + beta + ")";
+         return "V::blendv(sjf::log1p(sjf::exp(" + bx + ")) / " + beta + ", " + e.a[0] + ", " + bx + " > " + thr + ")";
+       },
+       nullptr},
+      {{OpId::elu},
+       [](OpExpression& e) -> R {
+         e.need(1);
+         const std::string alpha = e.lit(e.attr("alpha").value_or(1.0));
+         // ATen's kernel: x <= 0 ? expm1(x) * alpha : x, or (exp(x) - 1) * alpha in the
+         // libtorch versions before pytorch#173968 (1.13 among them): as the ATen in use does.
+         const std::string em1 = aten_elu_uses_expm1() ? "sjf::expm1(" + e.a[0] + ")"
+                                                       : "(sjf::exp(" + e.a[0] + ") - " + e.lit(1) + ")";
+         return "V::blendv(" + e.a[0] + ", " + em1 + " * " + alpha + ", " + e.a[0] + " <= " + e.lit(0) + ")";
+       },
+       nullptr},
+      {{OpId::leaky_relu},
+       [](OpExpression& e) -> R {
+         e.need(1);
+         const std::string slope = e.lit(e.attr("negative_slope").value_or(0.01));
+         return "V::blendv(" + e.a[0] + " * " + slope + ", " + e.a[0] + ", " + e.a[0] + " > " + e.lit(0) + ")";
+       },
+       nullptr},
+      {{OpId::to},
+       [](OpExpression&) -> R { throw FusionError("fusion: op 'to' (a dtype cast) is not fused"); },
+       [](OpExpression&) -> R { throw FusionError("fusion: op 'to' (a dtype cast) is not fused"); }},
+  };
+  return table;
+}
+
+/// The entry of `id` in `op_forms()`, or null (the template in both dialects).
+inline const OpForms* op_forms_of(OpId id) {
+  for (const OpForms& f : op_forms())
+    if (std::find(f.ops.begin(), f.ops.end(), id) != f.ops.end()) return &f;
+  return nullptr;
+}
+
+/// The expression computing `node` (an elementwise Op) from `operands`, and whether its
+/// result is boolean (stored as 1/0 in T). `operand_bool` tells which operands are boolean.
+/// CPU dialect (`cuda` false): C++ expressions of type V (`sjk::Vec<T>`, ATen
+/// `Vectorized<T>`) with ATen's CPU semantics. CUDA dialect: a scalar expression of type
+/// `T` (the compute type; operands of type T, booleans held as 1/0) with ATen's CUDA
+/// semantics: `a + alpha * b` for add/sub/rsub, NaN-propagating relu/clamp/maximum/
+/// minimum, pow's special exponents (ATen's pow_tensor_scalar), `rsqrt`, comparisons and
+/// logical_and yielding 1/0, selects for where/masked_fill/threshold; literals are `T(x)`.
+/// The form is the op's entry of `op_forms()`, else the op table's template. Throws
+/// FusionError for ops the dialect cannot express (`to`, non-elementwise or unknown ops).
+inline std::string op_expression(const ir::Node& node, const std::vector<std::string>& operands,
+                                 const std::vector<bool>& operand_bool, bool& result_bool, bool cuda = false) {
+  const ir::Op* op = &fusable_op(node);
+  const OpSchema& schema = op->schema();
+  OpExpression e{*op, std::string(op->name()), operands, operand_bool, result_bool, cuda};
+  result_bool = false;
+  if (const OpForms* forms = op_forms_of(op->id())) {
+    if (const OpForm form = cuda ? forms->cuda : forms->cpu) {
+      if (std::optional<std::string> expr = form(e)) return *std::move(expr);
+    }
+  }
+  if (schema.fusion_template.empty()) throw FusionError("fusion: op '" + e.name + "' has no fusion template");
+  return finalise_template(schema.fusion_template, *op, e.a, cuda);
 }
 
 }  // namespace stagejit::fusion::detail
