@@ -26,7 +26,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include <stagejit/ops/node_semantics.hpp>
+#include <stagejit/ir/node_semantics.hpp>
 #include <stagejit/compiler.hpp>
 
 namespace ir = stagejit::ir;

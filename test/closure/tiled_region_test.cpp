@@ -1,4 +1,4 @@
-// Row-tiled regions (Note [Row-tiled regions] in closure/tiled_region.hpp; issue 14): the
+// Row-tiled regions (Note [Row-tiled regions] in closure/tiled_plan.hpp; issue 14): the
 // row-local nodes of a compiled stage on tall tensors run tile by tile; and cross-stage
 // rematerialisation (passes/rematerialize.hpp), the other half of keeping a PINN's stages
 // off the memory bus. Checked against

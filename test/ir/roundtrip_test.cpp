@@ -95,7 +95,7 @@ TEST_SUITE("ir") {
     auto& fg = f->nodes()[2]->get<ir::FusionGroup>();
     REQUIRE(fg.subgraph);
     CHECK(fg.subgraph->nodes().size() == 3);
-    // The seed's op names are the table's ops (Note [Op aliases], ir/parser.hpp).
+    // The seed's op names are the table's ops (Note [Op aliases], ir/detail/parser_dialects.hpp).
     CHECK(fg.subgraph->nodes()[2]->get<ir::Op>().id() == stagejit::OpId::mul);
   }
 

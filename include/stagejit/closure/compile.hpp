@@ -69,7 +69,7 @@ struct CompileOptions {
   /// gradients crossing stages being written out and summed by the engine instead of
   /// staying inside one stage's fused kernels; worth trying where products dominate.
   bool cross_stage_gradients = false;
-  /// Rows per tile of each stage's row-tiled region (closure/tiled_region.hpp, Note
+  /// Rows per tile of each stage's row-tiled region (closure/tiled_plan.hpp, Note
   /// [Row-tiled regions]): the nodes of a stage that work row by row on tensors of at
   /// least `max(2 * tile_rows, 2048)` rows (fused kernels, thin products, weight and
   /// bias gradient reductions) run tile by tile, so intermediates stay in the cache.

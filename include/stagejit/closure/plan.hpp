@@ -37,7 +37,7 @@ namespace stagejit::closure {
 // that also waits for the first output of the previous chained node). The graph
 // order is the program order: the passes never move these nodes past each other (the
 // fuser never groups them and places a group at its last member, DCE and CSE keep
-// them). The row-tiled region planner (closure/tiled_region.hpp) counts the chain as a
+// them). The row-tiled region planner (closure/tiled_plan.hpp) counts the chain as a
 // dependency when it keeps regions convex, so the gates make no cycle.
 
 /// True for nodes that run in graph order relative to each other in a compiled stage

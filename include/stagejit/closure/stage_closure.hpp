@@ -27,13 +27,13 @@
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/overloaded.hpp>
 #include <stagejit/fusion/codegen.hpp>
+#include <stagejit/ir/attributes.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
+#include <stagejit/ir/node_semantics.hpp>
 #include <stagejit/ir/printer.hpp>
-#include <stagejit/ops/node_semantics.hpp>
 #include <stagejit/ops/op_def.hpp>
 #include <stagejit/trace/host_op_payload.hpp>
-#include <stagejit/trace/op_attributes.hpp>
 
 #include <algorithm>
 #include <memory>
@@ -69,7 +69,7 @@ struct StageClosure {
   /// captures then use that numbering.
   ///
   /// `tile_rows` > 0: the stage's row-local nodes on tall tensors run as one row-tiled
-  /// region of that many rows per tile (closure/tiled_region.hpp, Note [Row-tiled
+  /// region of that many rows per tile (closure/tiled_plan.hpp, Note [Row-tiled
   /// regions]); 0: every node is its own Function.
   StageClosure(const CrossStagePlan& plan, std::size_t s,
                const std::vector<std::size_t>* slot_map = nullptr, int64_t tile_rows = 0)
@@ -288,7 +288,7 @@ struct StageClosure {
       factory->next_functions.push_back(Edge{fn, 0});
       return fn;
     };
-    // Transpose / Reshape / Gemm: their meaning (ops/node_semantics.hpp) on the tensors.
+    // Transpose / Reshape / Gemm: their meaning (ir/node_semantics.hpp) on the tensors.
     auto aten_call = [&](std::string_view name, auto tensor_fn) {
       return make_function(AtenCall{name, [tensor_fn](const variable_list& in) -> variable_list {
                                       std::vector<at::Tensor> t;

@@ -1,49 +1,9 @@
 #pragma once
 /// \file
-/// Row-tiled regions of a compiled stage: the nodes of a stage that work row by row on
-/// tall [N, C] tensors (fused elementwise kernels, products with a small right operand,
-/// and the reductions over the rows that weight and bias gradients are) run as one
-/// Function that walks the rows in tiles, so that the intermediates of a tile stay in the
-/// core's cache instead of making a round trip through memory between nodes.
-///
-/// Note [Row-tiled regions]
-/// A PINN's stages (bench/pinn.md) are chains of [10 000, 20] tensors: each elementwise
-/// kernel and each product reads and writes 800 KB tensors, far beyond L1 and L2 once a
-/// stage holds a few dozen of them, so every node runs at memory speed (measured: a
-/// 5-in, 3-out float kernel takes 1.39 ns per element on such tensors and 0.31 ns when
-/// its operands are in L2). Every node of such a chain but the reductions is *row local*:
-/// row i of its output needs row i of its row inputs only. So the region runs, for each
-/// tile of `tile_rows` rows, every node on that tile: fused kernels through their
-/// generated entry point on the tile's rows, products `[rows, K] x [K, M]` through LIBXSMM
-/// (`ops::small_mm_raw`), and accumulates the reductions (`t(X) @ Y` over the rows,
-/// `sum_to_size` to one row) across tiles. Values only the region reads live in per-tile
-/// scratch buffers (reused once dead); values read outside the region are written to
-/// full [N, C] tensors.
-///
-/// Which nodes form regions (`find_row_tiled_regions`), given N (the most common
-/// leading size of the stage's 2-D values, at least `min_rows`) and the value types the
-/// trace recorded:
-/// - a row value is 2-D with N rows, of the region's dtype (float or double), on the CPU;
-///   an invariant value is any other tensor (weights, biases) not made by a row node;
-/// - FusionGroup: row outputs [N, C] (one C), inputs row or broadcastable invariants;
-/// - mm(row [N, K], invariant [K, M]) and addmm(invariant bias, row, invariant) with
-///   beta = alpha = 1 and K, M <= 64: row;
-/// - t(row) read only as the first operand of mm(t(row), row): a reduction [K, M];
-/// - sum_to_size(row [N, C], [1, C] or [C]): a reduction;
-/// - another elementwise op on row and invariant inputs: row (run per tile as a
-///   one-node kernel of the CPU fusion backend, or by ATen when the backend has none:
-///   ATen's call costs more than the op on a tile);
-/// - narrow and cat along the columns of rows: row (per tile, each input's columns
-///   copied into the output's, row by row);
-/// - nodes that read no row value stay outside (t(W), expand(b)); a region reads their
-///   outputs whole, or by rows (a stride-0 expand).
-/// A stage can hold several regions, run in order: a node reading a reduction (complete
-/// only after its region ran: `t(dW)` of a double backward) or a value made outside
-/// from a region's value goes to a later region, so each region is convex (no node
-/// outside it both reads a region value and feeds the region). At run time, inputs that
-/// do not match the recorded types, a kernel that cannot be planned, or strides LIBXSMM
-/// cannot read make the region run its nodes one by one as the untiled closure would
-/// (`TiledRegionRunner::run_untiled`: same results, same errors).
+/// The runner of row-tiled regions (`TiledRegionRunner`): the Function that runs a
+/// region planned by closure/tiled_plan.hpp tile by tile. Note [Row-tiled regions]
+/// (closure/tiled_plan.hpp) says what a region is, how it runs and which nodes form one;
+/// its part on the runner's results:
 ///
 /// Results equal the untiled stage up to summation order and rounding: products of a
 /// tile are the same LIBXSMM kernels on fewer rows; a reduction computes each tile's
@@ -54,15 +14,16 @@
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/closure/plan.hpp>
+#include <stagejit/closure/tiled_plan.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/overloaded.hpp>
 #include <stagejit/fusion/codegen.hpp>
+#include <stagejit/ir/attributes.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
 #include <stagejit/ops/op_def.hpp>
 #include <stagejit/ops/small_gemm.hpp>
 #include <stagejit/passes/graph_fuser.hpp>
-#include <stagejit/trace/op_attributes.hpp>
 
 #include <algorithm>
 #include <cstring>
@@ -80,45 +41,7 @@
 
 namespace stagejit::closure {
 
-/// The nodes of one stage that run as a row-tiled region (Note [Row-tiled regions]).
-struct TiledRegion {
-  int64_t rows = 0;                  ///< N: the rows every row value has
-  at::ScalarType dtype = at::kFloat;  ///< float or double
-  std::vector<ir::Node*> nodes;      ///< in stage order
-  std::vector<ir::Value*> inputs;    ///< distinct values read from outside (Function inputs)
-  std::vector<ir::Value*> outputs;   ///< distinct region values read outside (Function outputs)
-
-  std::ptrdiff_t input_index(const ir::Value* v) const {
-    auto it = std::find(inputs.begin(), inputs.end(), v);
-    return it == inputs.end() ? -1 : it - inputs.begin();
-  }
-  std::ptrdiff_t output_index(const ir::Value* v) const {
-    auto it = std::find(outputs.begin(), outputs.end(), v);
-    return it == outputs.end() ? -1 : it - outputs.begin();
-  }
-};
-
 namespace tiling {
-
-// How a region reads a value: Row ([N, C], tiled by rows), RowT (t of a row value of
-// the region: read as that value), Col ([K, N] from outside, tiled by columns: a
-// transposed row), Reduction (summed over the rows; complete after the region),
-// Invariant (read whole by every tile).
-enum class RowLayout : uint8_t { Bad, Invariant, Row, RowT, Col, Reduction };
-
-inline const Scalar* find_attr(const Attributes& attrs, std::string_view name) {
-  for (const auto& [k, v] : attrs)
-    if (k == name) return &v;
-  return nullptr;
-}
-
-inline bool attr_is_one(const Attributes& attrs, std::string_view name) {
-  const Scalar* s = find_attr(attrs, name);
-  if (!s) return true;
-  if (auto* d = std::get_if<double>(s)) return *d == 1.0;
-  if (auto* i = std::get_if<int64_t>(s)) return *i == 1;
-  return false;
-}
 
 // The kinds of region steps.
 struct FusedStep {
@@ -159,258 +82,6 @@ const FusedStep* fused_form(const Kind& kind) {
 }
 
 }  // namespace tiling
-
-/// Builds the row-tiled regions of a stage (`nodes`: the stage's nodes in order), in
-/// an order the stage can run them: region k reads only what regions before it and
-/// nodes outside every region make. Empty when none is worth it (a region needs two row
-/// products or kernels), no 2-D value has at least `min_rows` rows, or LIBXSMM is not
-/// available. See Note [Row-tiled regions].
-inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Node*>& nodes, int64_t min_rows) {
-  using tiling::RowLayout;
-  if (!ops::small_mm_enabled() || nodes.empty()) return {};
-  // N: the most common leading size among 2-D tensor outputs of the stage.
-  std::map<int64_t, int> counts;
-  for (ir::Node* n : nodes)
-    for (ir::Value* o : n->outputs())
-      if (auto* t = o->tensor_type(); t && t->sizes.size() == 2 && t->sizes[0] >= min_rows) ++counts[t->sizes[0]];
-  if (counts.empty()) return {};
-  const int64_t N = std::max_element(counts.begin(), counts.end(),
-                                     [](auto& a, auto& b) { return a.second < b.second; })->first;
-  std::optional<at::ScalarType> dtype;
-  for (ir::Node* n : nodes)
-    if (n->is<ir::FusionGroup>() || (n->get_if<ir::Op>() && n->get_if<ir::Op>()->id() == OpId::mm))
-      if (auto* t = n->outputs().empty() ? nullptr : n->outputs()[0]->tensor_type(); t && t->sizes.size() == 2 && t->sizes[0] == N) {
-        dtype = t->dtype;
-        break;
-      }
-  if (!dtype || (*dtype != at::kFloat && *dtype != at::kDouble)) return {};
-
-  // Region nodes: their level (the region they belong to) and their outputs' layouts.
-  // Nodes outside that read region values get a taint level: the highest level they
-  // depend on; a region node reading them must sit at a higher level (convexity).
-  std::unordered_map<const ir::Value*, RowLayout> layout;
-  std::unordered_map<const ir::Node*, int> level, taint, floating_need;
-  const int kFloating = -1;  // a t(row) whose level its reduction product decides
-  auto tensor_of = [](const ir::Value* v) { return v->tensor_type(); };
-  auto is_row_type = [&](const ir::TensorType* t) {
-    return t && t->sizes.size() == 2 && t->sizes[0] == N && t->dtype == *dtype && t->device.is_cpu();
-  };
-  // The layout a region node reads `v` with.
-  auto layout_of = [&](const ir::Value* v) -> RowLayout {
-    if (auto it = layout.find(v); it != layout.end())
-      return it->second == RowLayout::Reduction ? RowLayout::Invariant : it->second;  // complete once its region ran
-    const ir::TensorType* t = tensor_of(v);
-    if (!t || v->node()->is<ir::Undefined>() || !t->device.is_cpu()) return RowLayout::Bad;
-    if (is_row_type(t)) return RowLayout::Row;
-    if (t->sizes.size() == 2 && t->sizes[1] == N && t->sizes[0] != N && t->dtype == *dtype) return RowLayout::Col;
-    for (int64_t d : t->sizes)
-      if (d == N) return RowLayout::Bad;  // e.g. [N]: neither row nor small
-    return RowLayout::Invariant;
-  };
-  auto small = [](int64_t d) { return d >= 1 && d <= 64; };
-  // Whether invariant `v` broadcasts to [N, C] without its own rows (no leading size but 1).
-  auto broadcasts_to = [&](const ir::Value* v, int64_t C) {
-    const ir::TensorType* t = tensor_of(v);
-    if (!t || t->sizes.size() > 2) return false;
-    if (t->sizes.size() == 2 && t->sizes[0] != 1) return false;
-    return t->sizes.empty() || t->sizes.back() == 1 || t->sizes.back() == C;
-  };
-
-  // The layout node `n` would give its outputs in a region, or Bad.
-  auto classify = [&](ir::Node* n) -> RowLayout {
-    if (n->outputs().empty()) return RowLayout::Bad;
-    for (ir::Value* o : n->outputs())
-      if (!tensor_of(o)) return RowLayout::Bad;
-    std::vector<RowLayout> in;
-    for (ir::Value* v : n->inputs()) in.push_back(layout_of(v));
-    for (RowLayout l : in)
-      if (l == RowLayout::Bad) return RowLayout::Bad;
-    const bool all_invariant = std::all_of(in.begin(), in.end(), [](RowLayout l) { return l == RowLayout::Invariant; });
-    const ir::TensorType* out = tensor_of(n->outputs()[0]);
-    if (auto* fg = n->get_if<ir::FusionGroup>()) {
-      if (!fg->subgraph || all_invariant) return RowLayout::Bad;
-      const int64_t C = out->sizes.size() == 2 ? out->sizes[1] : -1;
-      for (ir::Value* o : n->outputs()) {
-        const ir::TensorType* t = tensor_of(o);
-        if (!is_row_type(t) || t->sizes[1] != C || !t->is_contiguous()) return RowLayout::Bad;
-      }
-      for (std::size_t i = 0; i < in.size(); ++i) {
-        if (in[i] == RowLayout::RowT || in[i] == RowLayout::Col) return RowLayout::Bad;
-        const ir::TensorType* t = tensor_of(n->inputs()[i]);
-        if (t->dtype != *dtype) return RowLayout::Bad;
-        if (in[i] == RowLayout::Row && t->sizes[1] != C && t->sizes[1] != 1) return RowLayout::Bad;
-        if (in[i] == RowLayout::Invariant && !broadcasts_to(n->inputs()[i], C)) return RowLayout::Bad;
-      }
-      return RowLayout::Row;
-    }
-    const ir::Op* op = n->get_if<ir::Op>();
-    if (!op || op->id() == OpId::unknown) return RowLayout::Bad;
-    const OpDef& def = ops::def(op->id());
-    if (def.side_effects || n->inputs().empty()) return RowLayout::Bad;
-    // Nodes reading no row run outside (before the region, or after the region whose
-    // reduction they read).
-    if (all_invariant) return RowLayout::Bad;
-    if (n->outputs().size() != 1) return RowLayout::Bad;
-    const Attributes attrs = ::stagejit::detail::to_core_attributes(op->attributes);
-    auto size_of = [&](std::size_t i, std::size_t d) { return tensor_of(n->inputs()[i])->sizes[d]; };
-    auto matrix = [&](std::size_t i) {  // an invariant product operand
-      const ir::TensorType* t = tensor_of(n->inputs()[i]);
-      return t->sizes.size() == 2 && t->dtype == *dtype;
-    };
-    switch (op->id()) {
-      case OpId::mm:
-        if (in[0] == RowLayout::Row && in[1] == RowLayout::Invariant && matrix(1) && small(size_of(0, 1)) &&
-            small(size_of(1, 1)) && is_row_type(out) && out->is_contiguous())
-          return RowLayout::Row;
-        if ((in[0] == RowLayout::RowT || in[0] == RowLayout::Col) && in[1] == RowLayout::Row && small(size_of(0, 0)) &&
-            small(size_of(1, 1)) && tensor_of(n->inputs()[1])->strides[1] == 1 &&
-            (tensor_of(n->inputs()[0])->strides[0] == 1 || tensor_of(n->inputs()[0])->strides[1] == 1) &&
-            out->is_contiguous() && out->dtype == *dtype)
-          return RowLayout::Reduction;
-        return RowLayout::Bad;
-      case OpId::addmm:
-        if (in[0] == RowLayout::Invariant && in[1] == RowLayout::Row && in[2] == RowLayout::Invariant &&
-            tiling::attr_is_one(attrs, "beta") && tiling::attr_is_one(attrs, "alpha") && matrix(2) &&
-            small(size_of(1, 1)) && small(size_of(2, 1)) && broadcasts_to(n->inputs()[0], size_of(2, 1)) &&
-            tensor_of(n->inputs()[0])->dtype == *dtype && is_row_type(out) && out->is_contiguous())
-          return RowLayout::Row;
-        return RowLayout::Bad;
-      case OpId::t: {
-        if (in[0] != RowLayout::Row) return RowLayout::Bad;
-        // Only as the first operand of reduction products.
-        for (const ir::Use& u : n->outputs()[0]->uses()) {
-          const ir::Op* uop = u.user->get_if<ir::Op>();
-          if (!uop || uop->id() != OpId::mm || u.offset != 0 || u.user->stage() != n->stage()) return RowLayout::Bad;
-        }
-        return RowLayout::RowT;
-      }
-      case OpId::sum_to_size: {
-        const Scalar* size = tiling::find_attr(attrs, "size");
-        auto* v = size ? std::get_if<std::vector<int64_t>>(size) : nullptr;
-        if (in[0] != RowLayout::Row || !v || !out->is_contiguous()) return RowLayout::Bad;
-        const int64_t C = size_of(0, 1);
-        if ((v->size() == 2 && (*v)[0] == 1 && (*v)[1] == C) || (v->size() == 1 && (*v)[0] == C))
-          return RowLayout::Reduction;
-        return RowLayout::Bad;
-      }
-      case OpId::narrow:
-      case OpId::cat: {
-        // Along the columns: row local (a ColumnCopyStep per tile).
-        const Scalar* dim = tiling::find_attr(attrs, "dim");
-        auto* d = dim ? std::get_if<int64_t>(dim) : nullptr;
-        if (!d || (*d != 1 && *d != -1) || !is_row_type(out)) return RowLayout::Bad;
-        for (RowLayout l : in)
-          if (l != RowLayout::Row) return RowLayout::Bad;
-        return RowLayout::Row;
-      }
-      default:
-        break;
-    }
-    if (!def.elementwise || !is_row_type(out) || !out->is_contiguous()) return RowLayout::Bad;
-    for (std::size_t i = 0; i < in.size(); ++i)
-      if (in[i] == RowLayout::RowT || in[i] == RowLayout::Col ||
-          (in[i] == RowLayout::Invariant && !broadcasts_to(n->inputs()[i], out->sizes[1])))
-        return RowLayout::Bad;
-    return RowLayout::Row;
-  };
-
-  auto drop = [&](ir::Node* n) { level.erase(n); };
-  // The highest taint of the nodes kept in program order so far: each of them waits for
-  // the ones before it (Note [Program order of random ops] in closure/plan.hpp), so it
-  // carries their taint too. They never join a region (side effects, host functions).
-  int chain_carry = -1;
-  for (ir::Node* n : nodes) {
-    // The lowest level `n` may take, and the highest taint it would carry outside.
-    int need = 0, carry = -1;
-    const bool ordered = keeps_program_order(*n);
-    if (ordered) carry = chain_carry;
-    for (ir::Value* v : n->inputs()) {
-      const ir::Node* p = v->node();
-      if (auto it = level.find(p); it != level.end()) {
-        const int l = it->second == kFloating ? 0 : it->second;
-        const bool reduction = layout.at(v) == RowLayout::Reduction;
-        need = std::max(need, reduction ? l + 1 : l);
-        carry = std::max(carry, l);
-      } else if (auto tt = taint.find(p); tt != taint.end()) {
-        need = std::max(need, tt->second + 1);
-        carry = std::max(carry, tt->second);
-      }
-    }
-    RowLayout l = classify(n);
-    if (l == RowLayout::Reduction && layout_of(n->inputs()[0]) == RowLayout::RowT) {
-      // A reduction product takes its t(X) into its own region: at least X's level.
-      ir::Node* t = n->inputs()[0]->node();
-      int& tl = level.at(t);
-      if (tl == kFloating) {
-        need = std::max(need, floating_need.at(t));
-        tl = need;
-      } else if (tl < need) {
-        l = RowLayout::Bad;  // its t(X) already sits in an earlier region
-      } else {
-        need = tl;
-      }
-    }
-    if (ordered) {
-      chain_carry = std::max(chain_carry, carry);
-      l = RowLayout::Bad;
-    }
-    if (l == RowLayout::Bad) {
-      if (carry >= 0) taint[n] = carry;
-      continue;
-    }
-    level[n] = l == RowLayout::RowT ? kFloating : need;
-    if (l == RowLayout::RowT) floating_need[n] = need;
-    for (ir::Value* o : n->outputs()) layout[o] = l;
-  }
-  // A t(X) whose reading product stayed outside leaves too (with its products: they
-  // read only it and a row, and feed only later regions or the outside).
-  for (ir::Node* n : nodes) {
-    auto it = level.find(n);
-    if (it == level.end() || layout.at(n->outputs()[0]) != RowLayout::RowT) continue;
-    bool ok = it->second != kFloating;
-    for (const ir::Use& u : n->outputs()[0]->uses()) {
-      auto ut = level.find(u.user);
-      ok = ok && ut != level.end() && ut->second == it->second;
-    }
-    if (!ok) {
-      for (const ir::Use& u : n->outputs()[0]->uses()) drop(u.user);
-      drop(n);
-    }
-  }
-  // Group by level; a region with fewer than two row products or kernels is dropped
-  // whole (its nodes read only lower levels and feed only higher ones: still convex).
-  int max_level = -1;
-  for (auto& [n, l] : level) max_level = std::max(max_level, l);
-  std::vector<TiledRegion> regions;
-  for (int L = 0; L <= max_level; ++L) {
-    TiledRegion region;
-    region.rows = N;
-    region.dtype = *dtype;
-    int work = 0;
-    for (ir::Node* n : nodes) {
-      auto it = level.find(n);
-      if (it == level.end() || it->second != L) continue;
-      region.nodes.push_back(n);
-      const RowLayout l = layout.at(n->outputs()[0]);
-      if (n->is<ir::FusionGroup>()) ++work;
-      if (auto* op = n->get_if<ir::Op>(); op && (op->id() == OpId::mm || op->id() == OpId::addmm) && l == RowLayout::Row)
-        ++work;
-    }
-    if (work < 2) continue;
-    std::unordered_set<const ir::Node*> members(region.nodes.begin(), region.nodes.end());
-    for (ir::Node* n : region.nodes) {
-      for (ir::Value* v : n->inputs())
-        if (!members.count(v->node()) && region.input_index(v) < 0) region.inputs.push_back(v);
-      for (ir::Value* o : n->outputs()) {
-        bool outside = false;
-        for (const ir::Use& u : o->uses()) outside = outside || !members.count(u.user);
-        if (outside) region.outputs.push_back(o);
-      }
-    }
-    regions.push_back(std::move(region));
-  }
-  return regions;
-}
 
 /// Runs a `TiledRegion` (Note [Row-tiled regions]). Built once per stage closure; `run`
 /// is thread-safe.
@@ -464,8 +135,8 @@ class TiledRegionRunner {
         auto cols_of = [&](ir::Value* v) { return v->tensor_type()->sizes.at(1); };
         if (op->id() == OpId::narrow) {
           const Attributes attrs = ::stagejit::detail::to_core_attributes(op->attributes);
-          const Scalar* start = tiling::find_attr(attrs, "start");
-          const Scalar* length = tiling::find_attr(attrs, "length");
+          const Scalar* start = ir::find_attribute(attrs, "start");
+          const Scalar* length = ir::find_attribute(attrs, "length");
           STAGEJIT_CHECK_AS(CompileError, start && length && std::holds_alternative<int64_t>(*start) &&
                                               std::holds_alternative<int64_t>(*length),
                             "tiled region: narrow %", n->outputs()[0]->id(), " without integer start and length");

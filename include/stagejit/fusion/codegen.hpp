@@ -37,9 +37,9 @@
 #include <stagejit/fusion/tensor_args.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/printer.hpp>
-#include <stagejit/ops/node_semantics.hpp>
+#include <stagejit/ir/node_semantics.hpp>
 #include <stagejit/ops/op_def.hpp>
-#include <stagejit/trace/op_attributes.hpp>
+#include <stagejit/ir/attributes.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>

@@ -2,7 +2,9 @@
 /// \file
 /// Typed attribute values of IR nodes (docs/seed-system.md §1.5): `f` double, `fs` double list,
 /// `i` int64, `is` int64 list, `s` string, `ss` string list, `t` tensor, `ts` tensor
-/// list, `g` graph, `gs` graph list; and their conversion from core `Scalar`s.
+/// list, `g` graph, `gs` graph list; and their conversion from core `Scalar`s and back
+/// (`detail::to_core_attributes`). The one reader of op-table `Attributes` by name is
+/// here too (`find_attribute`).
 ///
 /// Text form: `f` always has a `.` or exponent (`1.0`), `i` never does; strings are
 /// quoted; non-empty lists are `[a, b]`, empty ones carry their kind (`is[]`, `fs[]`,
@@ -151,7 +153,45 @@ inline std::string format_scalar(const Scalar& s) {
   return format_attribute(to_attribute(s));
 }
 
+/// The value of attribute `name` in op-table `Attributes`, or null when it has none.
+inline const Scalar* find_attribute(const Attributes& attrs, std::string_view name) {
+  for (const auto& [k, v] : attrs)
+    if (k == name) return &v;
+  return nullptr;
+}
+
 }  // namespace stagejit::ir
+
+namespace stagejit::detail {
+
+/// Converts IR attributes back to the op table's `Attributes` (the inverse of
+/// `ir::to_attribute`): f -> double, i -> int64_t, is -> vector<int64_t>,
+/// fs -> vector<double>, s -> string. Tensor and graph attributes have no op-table form:
+/// throws `CompileError` for a tensor, string-list or graph attribute.
+inline Attributes to_core_attributes(const ir::AttributeList& attrs) {
+  Attributes out;
+  out.reserve(attrs.size());
+  for (const auto& [name, value] : attrs) {
+    std::visit(
+        [&, &name = name, &value = value](const auto& v) {  // clang < 16 cannot capture bindings
+          using T = std::decay_t<decltype(v)>;
+          if constexpr (std::is_same_v<T, double> || std::is_same_v<T, int64_t> ||
+                        std::is_same_v<T, std::string> ||
+                        std::is_same_v<T, std::vector<int64_t>> ||
+                        std::is_same_v<T, std::vector<double>>) {
+            out.emplace_back(name, Scalar(v));
+          } else {
+            throw CompileError("attribute '" + name + "' of kind " +
+                               std::string(ir::attribute_kind(value)) +
+                               " cannot be passed to a table op");
+          }
+        },
+        value);
+  }
+  return out;
+}
+
+}  // namespace stagejit::detail
 
 #ifdef STAGEJIT_HEADER_TEST_CASES
 #include <stagejit/testing/doctest.hpp>

@@ -3,49 +3,9 @@
 /// `ir::parse`: reads the canonical text form (printer.hpp) and the seed-era form of
 /// docs/seed-system.md §1.7 back into a Graph.
 ///
-/// Seed-era (2017) extras accepted:
-/// - a `, uses = [...]` suffix after a node's inputs: `[%5.i0, %0.i1]` for a single
-///   output, `[[...], [...]]` with one list per output. It is checked against the real
-///   uses: the same number, and each `%N.iK` matches a distinct use at input `K` of the
-///   node whose single output is `%N`; of the node whose outputs print as `%N.0, %N.1`
-///   (the `%N.k` output style); of the return statement for `%0` when no value is
-///   called `%0`; or, `%N` naming no value, of the node it is the hidden id of. The seed
-///   numbered a node before its outputs and printed host ops, CppOps and fusion groups
-///   through Select nodes, so `%N` is a user whose first output's number is above N: the
-///   nearest such user (usually the node of `%N+1`).
-/// - `^Name(scalars)(inputs)` without a calling convention: tensors first, then scalars.
-///   Scalars as Python printed them: `True`, `False`, `None` (`NoneScalar`), tuples
-///   `(3, 2)` and `(3,)` (int lists), bare words `mean` (strings).
-/// - `CppOp[Name](inputs)` where Name is the C++ type as printed, spaces and `::`
-///   included (`struct torch::autograd::Neg`, `N5torch8autograd3AddE`): an `Eval` for an
-///   Eval class, a table op for an alias (below) when no Handle output is declared, else
-///   a HostOp with convention `t` per input under the printed name.
-/// - attribute values: unquoted words (strings: `note=from_pyop`) and tensor dumps
-///   (`a= 1  1  1  1 [ CPUDoubleTensor{2,2} ]`: a tensor when its values fill its sizes,
-///   else the dump's text as a string); 2018's `[ CPUDoubleType{2} ]` too, on one line
-///   or across lines: whitespace inside a dump does not matter.
-/// - a UTF-8 byte-order mark at the start of the text (skipped; elsewhere an error).
-/// - `Transpose(%x)` without `perm`: reverse the axes (ONNX's default).
-/// - `return (...)` without `|`: each output goes to the group of its producer's stage.
-/// - `UNKNOWN_TYPE`, `fusion_group_N` with its `with fusion_group_N = graph(...)` block,
-///   header inputs without commas, value names like `%3.1`.
-/// 2018 extras: kinds with `aten::`, `prim::`, `onnx::` (`prim::Constant`,
-/// `prim::FusionGroup_0[device=0]` and its `with` block, `FusionGroup_0`); nodes and the
-/// return statement without `;`; `, scope: A/B[c]` suffixes (not kept); scalar tensor
-/// attributes `{1}` (numbers; a Constant's value becomes a 0-dim tensor); the types
-/// `Dynamic`, `Tensor` and `Float(*, *)` (`UNKNOWN_TYPE`). Control flow (`prim::If`,
-/// `prim::Loop`, `block0()`) and non-tensor types (`int`, `float[]`, ...) are refused
-/// with a ParseError naming them.
-///
-/// Note [Op aliases]: the op names of those eras are read as the table's ops, so they run
-/// and fuse like their ATen twins and print canonically: `Add`/`Sub`/`Mul`/`Div`
-/// (ONNX's `broadcast` dropped; a legacy `axis` broadcast is refused), `Neg`, `Tanh`,
-/// `Sigmoid`, `Exp`, `Log`, `Relu`, `Sqrt`, `Abs`, `Reciprocal`, `MatMul`,
-/// `Chunk[chunks, axis|dim]`, `Split[split, axis]` (-> `split[split_size, dim]`),
-/// `Concat[axis]`/`Cat` (-> `cat[dim]`); the seed's Python autograd functions printed
-/// `^Add()(..)`, `^MulConstant(c)`, `^AddConstant(c, inplace)`, `^Transpose(d0, d1)`,
-/// `^View((sizes))` when they declare no Handle output. `Transpose` and `Gemm` are node
-/// kinds of their own; `cross`, `threshold`, `select`, `split` are table ops.
+/// The seed-era (2017) and 2018 dialects, their op aliases (Note [Op aliases]) and
+/// special syntax, are read through ir/detail/parser_dialects.hpp: its file comment lists
+/// what they accept; the grammar here dispatches to its tables and routines.
 ///
 /// Value names that start with a digit are not kept (the printer renumbers them; messages
 /// use the printer's names, see `ir::value_label`).
@@ -71,6 +31,7 @@
 #include <stagejit/ir/detail/lexer.hpp>
 #include <stagejit/ir/detail/literals.hpp>
 #include <stagejit/ir/detail/op_words.hpp>
+#include <stagejit/ir/detail/parser_dialects.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
 #include <stagejit/ir/type.hpp>
@@ -93,20 +54,9 @@ class Parser {
  private:
   static constexpr size_t max_depth = 32;
 
-  struct UseRef {
-    Token token;
-    std::string user;
-    size_t offset;
-  };
-  struct PendingUses {
-    Node* node;
-    Token at;
-    bool nested;
-    std::vector<std::vector<UseRef>> per_output;
-  };
   struct Scope {
     std::unordered_map<std::string, Value*> values;
-    std::vector<PendingUses> uses;
+    std::vector<dialects::PendingUses> uses;
     std::map<std::string, Node*> fusion_refs;  // fusion_group_N -> node, until its `with`
   };
   struct Literal {
@@ -170,7 +120,7 @@ class Parser {
     if (t.text == "UNKNOWN_TYPE" || t.text == "Dynamic" || t.text == "Tensor") return UnknownType{};
     auto dtype = dtype_from_name(t.text);
     if (!dtype) {
-      if (is_non_tensor_type(t.text))
+      if (dialects::is_non_tensor_type(t.text))
         fail(t, "non-tensor type '" + t.text + "' is not supported: stagejit graphs hold tensors and handles only");
       fail(t, "unknown type '" + t.text + "'; expected a dtype such as Float, Handle, UNKNOWN_TYPE or Dynamic");
     }
@@ -191,14 +141,6 @@ class Parser {
     auto [sizes, marks, device] = parse_dims();
     check_strides_fit(t, sizes, marks);
     return TensorType{*dtype, DimList(sizes), ir::parse_strides(sizes, marks), device};
-  }
-
-  // The 2018 printer's scalar and list types (`int`, `float[]`, `Tensor[]`, ...).
-  static bool is_non_tensor_type(std::string_view n) {
-    for (std::string_view k : {"int", "float", "bool", "string", "str", "None", "NoneType", "Generator", "Device",
-                               "Layout", "ScalarType", "Scalar", "Number", "Tuple", "List", "Optional", "Future"})
-      if (n == k) return true;
-    return false;
   }
 
   // The strides `parse_strides` rebuilds for these sizes and marks, and size * stride of
@@ -329,59 +271,6 @@ class Parser {
     double d;
     if (parse_number(t.text, d)) return {AttributeValue(d)};
     fail(t, "number " + t.text + " is out of range");
-  }
-
-  // A seed-era tensor dump (`1  1  1  1 [ CPUDoubleTensor{2,2} ]`, lexer.hpp) as a
-  // tensor when its values fill its sizes; else its text, kept as a string.
-  AttributeValue dump_value(const std::string& dump) {
-    size_t open = dump.rfind('[');
-    std::string_view body(dump.data(), open);
-    std::string_view tail = std::string_view(dump).substr(open + 1);
-    size_t lb = tail.find('{'), rb = tail.find('}');
-    auto is_space = [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; };
-    std::string_view type_name = tail.substr(0, lb);
-    while (!type_name.empty() && is_space(type_name.front())) type_name.remove_prefix(1);
-    while (!type_name.empty() && is_space(type_name.back())) type_name.remove_suffix(1);
-    for (std::string_view prefix : {"CPU", "CUDA", "torch.cuda.", "torch."})
-      if (type_name.substr(0, prefix.size()) == prefix) type_name.remove_prefix(prefix.size());
-    // "Tensor" (2017: CPUDoubleTensor) or "Type" (2018: CPUDoubleType); the lexer saw one.
-    for (std::string_view suffix : {"Tensor", "Type"})
-      if (type_name.size() >= suffix.size() && type_name.substr(type_name.size() - suffix.size()) == suffix) {
-        type_name.remove_suffix(suffix.size());
-        break;
-      }
-    std::optional<at::ScalarType> dtype = dtype_from_name(type_name);
-    std::vector<int64_t> sizes;
-    bool ok = dtype.has_value() && lb != std::string_view::npos && rb != std::string_view::npos;
-    std::string_view dims = ok ? tail.substr(lb + 1, rb - lb - 1) : std::string_view();
-    while (!dims.empty() && is_space(dims.back())) dims.remove_suffix(1);
-    while (ok && !dims.empty()) {
-      size_t comma = dims.find(',');
-      int64_t v = 0;
-      std::string item;
-      for (char c : dims.substr(0, comma))
-        if (!is_space(c)) item += c;
-      ok = parse_number(item, v) && v >= 0 && v <= (int64_t(1) << 24);
-      sizes.push_back(v);
-      dims = comma == std::string_view::npos ? std::string_view() : dims.substr(comma + 1);
-    }
-    std::vector<std::string> values;
-    for (size_t i = 0; ok && i < body.size();) {
-      while (i < body.size() && std::isspace(static_cast<unsigned char>(body[i]))) ++i;
-      size_t j = i;
-      while (j < body.size() && !std::isspace(static_cast<unsigned char>(body[j]))) ++j;
-      if (j > i) values.emplace_back(body.substr(i, j - i));
-      i = j;
-    }
-    int64_t n = 1;
-    for (int64_t s : sizes) ok = ok && !__builtin_mul_overflow(n, s, &n);
-    if (ok && int64_t(values.size()) == n) {
-      at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(*dtype));
-      bool filled = true;
-      for (int64_t i = 0; i < n && filled; ++i) filled = set_element(t, i, values[i]);
-      if (filled) return t;
-    }
-    return dump;  // a layout this reader does not know: the text, printed back quoted
   }
 
   AttributeValue make_list(const std::vector<Literal>& items, const std::vector<Token>& at, const Token& open) {
@@ -545,95 +434,6 @@ class Parser {
     }
   }
 
-  static bool is_eval_name(std::string_view n) {
-    return n == "Eval" || n == "N5torch8autograd4EvalE" || n == "torch_autograd_Eval";
-  }
-
-  // The class name inside a CppOp's C++ type: `N5torch8autograd3AddE` (Itanium-mangled),
-  // `struct torch::autograd::Neg` (MSVC's printout), `torch_autograd_Eval`, `ConvForward`.
-  static std::string cpp_class_name(std::string_view n) {
-    if (n.size() > 2 && n.front() == 'N' && n.back() == 'E') {
-      std::string_view rest = n.substr(1, n.size() - 2), last;
-      while (!rest.empty() && std::isdigit(static_cast<unsigned char>(rest.front()))) {
-        size_t len = 0, k = 0;
-        while (k < rest.size() && std::isdigit(static_cast<unsigned char>(rest[k]))) len = len * 10 + size_t(rest[k++] - '0');
-        if (len == 0 || k + len > rest.size()) return std::string(n);
-        last = rest.substr(k, len);
-        rest.remove_prefix(k + len);
-      }
-      if (rest.empty() && !last.empty()) return std::string(last);
-      return std::string(n);
-    }
-    size_t colons = n.rfind("::");
-    if (colons != std::string_view::npos) return std::string(n.substr(colons + 2));
-    for (std::string_view kw : {"struct ", "class "})
-      if (n.substr(0, kw.size()) == kw) return std::string(n.substr(kw.size()));
-    return std::string(n);
-  }
-
-  // `fusion_group_N`, and the 2018 spellings `FusionGroup_N`, `prim::FusionGroup_N`:
-  // the canonical name, or nothing.
-  static std::optional<std::string> fusion_ref(std::string_view name) {
-    for (std::string_view prefix : {"fusion_group_", "FusionGroup_", "prim::FusionGroup_"})
-      if (detail::is_fusion_ref(name, prefix)) return "fusion_group_" + std::string(name.substr(prefix.size()));
-    return std::nullopt;
-  }
-
-  // The kind a 2018 name (`aten::mul`, `prim::Constant`, `onnx::Add`) stands for
-  // without its namespace; other namespaces are kept (an unknown op). One namespace:
-  // what remains may not start another (`prim::onnx::Add`) nor be a fusion group's
-  // name (`aten::FusionGroup_0`), which the printer could not give back as they were.
-  std::string_view strip_namespace(const Token& t) {
-    std::string_view name = t.text;
-    for (std::string_view ns : detail::ir_namespaces) {
-      if (name.substr(0, ns.size()) != ns) continue;
-      std::string_view bare = name.substr(ns.size());
-      for (std::string_view inner : detail::ir_namespaces)
-        if (bare.substr(0, inner.size()) == inner)
-          fail(t, "'" + t.text + "' has two namespaces; expected one of aten::, prim::, onnx:: before a kind");
-      if (bare == "CppOp" || detail::is_fusion_ref(bare, "fusion_group_") || detail::is_fusion_ref(bare, "FusionGroup_"))
-        fail(t, "'" + t.text + "': " + std::string(bare) + " takes no namespace" +
-                    (bare == "CppOp" ? "" : " (a fusion group is prim::FusionGroup_N)"));
-      return bare;
-    }
-    return name;
-  }
-
-  // Seed-era and ONNX op names onto the op table, attributes renamed (Note [Op aliases]
-  // in the file comment). Returns nothing for a name that is not an alias.
-  std::optional<Op> alias_op(const Token& t, std::string_view name, AttributeList attrs,
-                             const std::vector<Token>& attr_tokens) {
-    const detail::OpAlias* found = nullptr;
-    for (const detail::OpAlias& a : detail::op_aliases)
-      if (a.from == name) found = &a;
-    if (!found) return std::nullopt;
-    AttributeList out;
-    for (size_t i = 0; i < attrs.size(); ++i) {
-      auto& [key, value] = attrs[i];
-      if (key == "broadcast") continue;  // ONNX's opt-in flag: ATen always broadcasts
-      if (key == "axis") {
-        if (found->to == OpId::add || found->to == OpId::sub || found->to == OpId::mul || found->to == OpId::div)
-          fail(attr_tokens[i], name_text(t) + ": legacy ONNX broadcasting from an 'axis' is not supported "
-                                            "(ATen broadcasting aligns trailing dimensions)");
-        out.emplace_back("dim", std::move(value));
-        continue;
-      }
-      if (key == "split" && found->to == OpId::split) {
-        out.emplace_back("split_size", std::move(value));
-        continue;
-      }
-      out.emplace_back(std::move(key), std::move(value));
-    }
-    // ATen's argument order: chunk(chunks, dim), split(split_size, dim).
-    std::stable_sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
-      auto rank = [](const std::string& k) { return k == "dim" ? 1 : 0; };
-      return rank(a.first) < rank(b.first);
-    });
-    return Op(found->to, std::move(out));
-  }
-
-  static std::string name_text(const Token& t) { return t.text; }
-
   // A quoted op name is printable text: not empty, no control characters (a NUL would cut
   // every message that names the op).
   void check_quoted_name(const Token& t) {
@@ -642,72 +442,6 @@ class Parser {
     for (char c : t.text)
       if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f)
         fail(t, "an op name cannot hold control characters");
-  }
-
-  // Whether an aliased op takes `n` inputs: its arity in the table, and two for the binary
-  // arithmetic ops unless their scalar operand (`other`) is an attribute.
-  static bool alias_arity_fits(const Op& op, size_t n) {
-    const OpSchema& s = op.schema();
-    if (int(n) < s.min_inputs || (s.max_inputs >= 0 && int(n) > s.max_inputs)) return false;
-    const bool binary = op.id() == OpId::add || op.id() == OpId::sub || op.id() == OpId::mul || op.id() == OpId::div;
-    return !binary || n == 2 || op.attribute("other");
-  }
-  static std::string arity_text(const Op& op) {
-    const OpSchema& s = op.schema();
-    if (op.id() == OpId::add || op.id() == OpId::sub || op.id() == OpId::mul || op.id() == OpId::div)
-      return "2 inputs (or 1 with the attribute 'other')";
-    if (s.max_inputs < 0) return "at least " + std::to_string(s.min_inputs) + " inputs";
-    if (s.min_inputs == s.max_inputs) return std::to_string(s.min_inputs) + " input" + (s.min_inputs == 1 ? "" : "s");
-    return std::to_string(s.min_inputs) + " to " + std::to_string(s.max_inputs) + " inputs";
-  }
-
-  // The seed era's Python autograd functions (torch.autograd._functions, 2017) printed
-  // as `^Name(scalars)(inputs)`, onto the op table: the tensor-tensor arithmetic and
-  // pointwise ones, `AddConstant(c[, inplace])` and its kin, `Transpose(d0, d1)`,
-  // `View(sizes)`. Nothing for another name or other arguments.
-  static std::optional<Op> host_alias(std::string_view name, const std::vector<Scalar>& scalars, size_t num_inputs) {
-    struct Pointwise {
-      std::string_view from;
-      OpId to;
-      size_t inputs;
-    };
-    static constexpr Pointwise pointwise[] = {
-        {"Add", OpId::add, 2},  {"Sub", OpId::sub, 2},         {"Mul", OpId::mul, 2}, {"Div", OpId::div, 2},
-        {"Neg", OpId::neg, 1},  {"Tanh", OpId::tanh, 1},       {"Sigmoid", OpId::sigmoid, 1},
-        {"Exp", OpId::exp, 1},  {"Log", OpId::log, 1},
-    };
-    for (const Pointwise& p : pointwise)
-      if (p.from == name && scalars.empty() && num_inputs == p.inputs) return Op(p.to);
-    auto number = [](const Scalar& s) -> std::optional<AttributeValue> {
-      if (auto d = std::get_if<double>(&s)) return AttributeValue(*d);
-      if (auto i = std::get_if<int64_t>(&s)) return AttributeValue(*i);
-      return std::nullopt;
-    };
-    // `inplace` (a trailing bool) changes where the result goes, not its value.
-    const bool inplace_flag = scalars.size() == 2 && std::holds_alternative<bool>(scalars[1]);
-    struct Constant {
-      std::string_view from;
-      OpId to;
-    };
-    // Not SubConstant / DivConstant: the seed printed `2 - x` (tensor second) as it printed
-    // `x - 2`, so their text does not say which they compute; they stay host ops.
-    static constexpr Constant constants[] = {{"AddConstant", OpId::add}, {"MulConstant", OpId::mul}};
-    for (const Constant& c : constants) {
-      if (c.from != name || num_inputs != 1 || scalars.empty() || (scalars.size() > 1 && !inplace_flag)) continue;
-      if (auto v = number(scalars[0])) return Op(c.to, {{"other", *v}});
-    }
-    if (name == "Transpose" && num_inputs == 1 && scalars.size() == 2 && std::holds_alternative<int64_t>(scalars[0]) &&
-        std::holds_alternative<int64_t>(scalars[1]))
-      return Op(OpId::transpose, {{"dim0", std::get<int64_t>(scalars[0])}, {"dim1", std::get<int64_t>(scalars[1])}});
-    if (name == "View" && num_inputs == 1 && scalars.size() == 1 && std::holds_alternative<std::vector<int64_t>>(scalars[0]))
-      return Op(OpId::view, {{"size", std::get<std::vector<int64_t>>(scalars[0])}});
-    return std::nullopt;
-  }
-
-  // Control flow of the 2018 printer (`prim::If` with `block0()`, `prim::Loop`).
-  void refuse_control_flow(const Token& t, std::string_view bare) {
-    if (bare == "If" || bare == "Loop")
-      fail(t, "control flow ('" + t.text + "' with blocks) is not supported: stagejit graphs are straight-line");
   }
 
   // `[name=value, ...]` after an op name (nothing when no `[` follows); the name tokens
@@ -723,7 +457,7 @@ class Parser {
       expect_punct('=', "after the attribute name");
       attr_tokens.push_back(name);
       if (auto dump = lex_.tensor_dump()) {  // seed era: `a= 1  1 [ CPUDoubleTensor{2} ]`
-        attrs.emplace_back(name.text, dump_value(*dump));
+        attrs.emplace_back(name.text, dialects::dump_value(*dump));
       } else {
         Literal lit = parse_literal();
         if (lit.is_none) fail(name, "attribute '" + name.text + "' is None: no attribute kind holds None");
@@ -773,7 +507,7 @@ class Parser {
         // Seed era (no calling convention): the autograd functions of torch of that time
         // without a Handle output are ops of the table.
         if (!handle_output)
-          if (auto op = host_alias(name.text, scalars, inputs.size())) return g.create(std::move(*op), inputs, {});
+          if (auto op = dialects::host_alias(name.text, scalars, inputs.size())) return g.create(std::move(*op), inputs, {});
         conv = std::string(inputs.size(), 't') + std::string(scalars.size(), 's');
       }
       return g.create(HostOp{name.text, *conv, std::move(scalars), nullptr}, inputs, {});
@@ -797,14 +531,14 @@ class Parser {
           lex_.fail(line, col, "a CppOp's name cannot hold control characters");
       expect_punct(']', "after the CppOp's name");
       auto inputs = parse_input_list(scope);
-      std::string cls = cpp_class_name(name);
-      if (is_eval_name(name) || is_eval_name(cls)) return g.create(Eval{}, inputs, {});
+      std::string cls = dialects::cpp_class_name(name);
+      if (dialects::is_eval_name(name) || dialects::is_eval_name(cls)) return g.create(Eval{}, inputs, {});
       if (!handle_output)
-        if (auto op = alias_op(t, cls, {}, {}); op && alias_arity_fits(*op, inputs.size()))
+        if (auto op = dialects::alias_op(lex_, t, cls, {}, {}); op && dialects::alias_arity_fits(*op, inputs.size()))
           return g.create(std::move(*op), inputs, {});
       return g.create(HostOp{name, std::string(inputs.size(), 't'), {}, nullptr}, inputs, {});
     }
-    if (auto ref = fusion_ref(t.text)) {
+    if (auto ref = dialects::fusion_ref(t.text)) {
       if (scope.fusion_refs.count(*ref)) fail(t, t.text + " is used by more than one node");
       // 2018: `prim::FusionGroup_0[device=0]`; the device is the inputs' (not kept).
       if (accept('[')) {
@@ -819,8 +553,8 @@ class Parser {
       scope.fusion_refs[*ref] = n;
       return n;
     }
-    const std::string_view bare = strip_namespace(t);
-    refuse_control_flow(t, bare);
+    const std::string_view bare = dialects::strip_namespace(lex_, t);
+    dialects::refuse_control_flow(lex_, t, bare);
     std::vector<Token> attr_tokens;
     auto parse_attrs_tracked = [&] { return parse_attrs(attr_tokens); };
     std::optional<NodeKind> kind;
@@ -842,9 +576,9 @@ class Parser {
     if (!kind) {
       AttributeList attrs = parse_attrs_tracked();
       auto inputs = parse_input_list(scope);
-      if (auto op = alias_op(t, bare, attrs, attr_tokens)) {
-        if (!alias_arity_fits(*op, inputs.size()))
-          fail(t, t.text + " (the table's " + std::string(op->name()) + ") takes " + arity_text(*op) + ", found " +
+      if (auto op = dialects::alias_op(lex_, t, bare, attrs, attr_tokens)) {
+        if (!dialects::alias_arity_fits(*op, inputs.size()))
+          fail(t, t.text + " (the table's " + std::string(op->name()) + ") takes " + dialects::arity_text(*op) + ", found " +
                       std::to_string(inputs.size()));
         return g.create(std::move(*op), inputs, {});
       }
@@ -902,9 +636,9 @@ class Parser {
     Token kw = expect_keyword("uses");
     expect_punct('=', "after 'uses'");
     Token open = expect_punct('[', "to open the use list");
-    PendingUses p{n, kw, false, {}};
+    dialects::PendingUses p{n, kw, false, {}};
     auto entries = [&](char close) {
-      std::vector<UseRef> out;
+      std::vector<dialects::UseRef> out;
       if (accept(close)) return out;
       for (;;) {
         Token u = lex_.next();
@@ -934,71 +668,6 @@ class Parser {
     (void)open;
     (void)at;
     scope.uses.push_back(std::move(p));
-  }
-
-  void check_uses(Graph& g, Scope& scope) {
-    if (scope.uses.empty()) return;
-    // The number each value has in the file (`%12` -> 12), for hidden ids.
-    std::unordered_map<const Value*, int64_t> file_number;
-    for (const auto& [name, value] : scope.values) {
-      int64_t n = 0;
-      if (parse_number(name, n)) file_number[value] = n;
-    }
-    for (auto& p : scope.uses) {
-      const auto& outs = p.node->outputs();
-      if (!p.nested && outs.size() != 1)
-        fail(p.at, "a node with " + std::to_string(outs.size()) + " outputs needs one use list per output ([[...], ...])");
-      if (p.per_output.size() != outs.size())
-        fail(p.at, "uses lists " + std::to_string(p.per_output.size()) + " outputs but the node has " +
-                       std::to_string(outs.size()));
-      for (size_t o = 0; o < outs.size(); ++o) {
-        Value* v = outs[o];
-        const auto& listed = p.per_output[o];
-        if (listed.size() != v->uses().size())
-          fail(p.at, "uses of output " + std::to_string(o) + " list " + std::to_string(listed.size()) +
-                         " uses but it has " + std::to_string(v->uses().size()));
-        std::vector<bool> matched(v->uses().size(), false);
-        for (const UseRef& r : listed) {
-          auto it = scope.values.find(r.user);
-          Node* user = nullptr;
-          int64_t hidden_id = -1;
-          if (it != scope.values.end()) {
-            if (it->second->node()->outputs().size() != 1)
-              fail(r.token, "use %" + r.token.text + " names an output of a multi-output node, not a user node");
-            user = it->second->node();
-          } else if (auto dotted = scope.values.find(r.user + ".0"); dotted != scope.values.end()) {
-            // The `%N.k` output style (2017): a node's outputs print as `%N.0, %N.1`, and
-            // `%N.iK` names that node, by the number its outputs carry.
-            user = dotted->second->node();
-          } else if (r.user == "0") {
-            user = g.return_node();
-          } else if (!parse_number(r.user, hidden_id) || hidden_id < 0) {
-            fail(r.token, "use %" + r.token.text + " names no value and no node of this graph");
-          }
-          // A hidden id (`%N` naming no value): the seed numbered a node when it made it,
-          // then its outputs (Select nodes), so `%N` is a user node whose first output's
-          // number is above N; of those, the nearest one (usually `%N+1`).
-          size_t best = v->uses().size();
-          int64_t best_first = 0;
-          for (size_t k = 0; k < v->uses().size(); ++k) {
-            const Use& u = v->uses()[k];
-            if (matched[k] || u.offset != r.offset) continue;
-            if (user) {
-              if (u.user != user) continue;
-              best = k;
-              break;
-            }
-            if (u.user->is<Return>() || u.user->outputs().empty()) continue;
-            auto first = file_number.find(u.user->outputs()[0]);
-            if (first == file_number.end() || first->second <= hidden_id) continue;
-            if (best == v->uses().size() || first->second < best_first) best = k, best_first = first->second;
-          }
-          const bool ok = best < v->uses().size();
-          if (ok) matched[best] = true;
-          if (!ok) fail(r.token, "use %" + r.token.text + " does not match any use of this value");
-        }
-      }
-    }
   }
 
   std::shared_ptr<Graph> parse_graph(size_t depth) {
@@ -1119,13 +788,13 @@ class Parser {
     }
     accept(';');  // optional since 2018
     expect_punct('}', "to close the graph body");
-    check_uses(*g, scope);
+    dialects::check_uses(lex_, *g, scope.values, scope.uses);
     while (!scope.fusion_refs.empty()) {
       Token w = lex_.next();
       if (!w.is_ident("with"))
         fail(w, "expected 'with " + scope.fusion_refs.begin()->first + " = graph(...)', found " + w.describe());
       Token name = expect_ident("a fusion group name");
-      auto ref = fusion_ref(name.text);
+      auto ref = dialects::fusion_ref(name.text);
       auto it = ref ? scope.fusion_refs.find(*ref) : scope.fusion_refs.end();
       if (it == scope.fusion_refs.end()) fail(name, "no node uses " + name.text);
       expect_punct('=', "after the fusion group name");

@@ -35,6 +35,7 @@
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/scalar.hpp>
+#include <stagejit/ir/attributes.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/passes/dce.hpp>
 
@@ -113,10 +114,8 @@ class ZeroPass {
   }
 
   static double attr_double(const ir::Op& op, std::string_view key, double fallback) {
-    if (const ir::AttributeValue* v = op.attribute(key)) {
-      if (auto d = std::get_if<double>(v)) return *d;
-      if (auto i = std::get_if<int64_t>(v)) return static_cast<double>(*i);
-    }
+    if (const ir::AttributeValue* v = op.attribute(key))
+      if (auto d = ir::attribute_as<double>(*v)) return *d;
     return fallback;
   }
 

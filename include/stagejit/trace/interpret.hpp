@@ -14,11 +14,11 @@
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/overloaded.hpp>
+#include <stagejit/ir/attributes.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
 #include <stagejit/ops/op_def.hpp>
 #include <stagejit/trace/host_op_payload.hpp>
-#include <stagejit/trace/op_attributes.hpp>
 
 #include <memory>
 #include <unordered_map>

@@ -4,7 +4,7 @@
 /// the parser (which reads them) and the printer (which quotes an op of that name so that
 /// it reads back as the same op):
 /// - the seed-era and ONNX op names that alias ops of the table (Note [Op aliases] in
-///   ir/parser.hpp: `Add`, `Concat`, ...);
+///   ir/detail/parser_dialects.hpp: `Add`, `Concat`, ...);
 /// - kind names (`Constant`, `Transpose`, ...), `CppOp`, control flow (`If`, `Loop`);
 /// - fusion-group references (`fusion_group_N`, `FusionGroup_N`);
 /// - names in the 2018 namespaces `aten::`, `prim::`, `onnx::`, which the parser strips.

@@ -21,10 +21,10 @@
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/overloaded.hpp>
+#include <stagejit/ir/attributes.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
 #include <stagejit/ops/op_def.hpp>
-#include <stagejit/trace/op_attributes.hpp>
 
 #include <ATen/ATen.h>
 
