@@ -186,6 +186,35 @@ def max_rel_diff(loss, grads, ref_loss, ref_grads):
 
 # ---------------------------------------------------------------------------- torch
 
+
+def mlp(x, w, act, matmul):
+    """The workloads' network: layers x @ W + b (w = [W1, b1, W2, b2, ...]), `act` between
+    them, none after the last; `matmul` is the framework's matrix product."""
+    h = x
+    layers = len(w) // 2
+    for i in range(layers):
+        h = matmul(h, w[2 * i]) + w[2 * i + 1]
+        if i + 1 < layers:
+            h = act(h)
+    return h
+
+def pde_loss(kdv, boundary, u, u_t, u_x, u_xx, u_xxx, boundary_error, mean):
+    """The loss of burgers, burgers_residual (boundary False) and kdv from u = net(X) and
+    its derivatives; u_xx, u_xxx and boundary_error (net(X_b) - g_b) are called where
+    needed. burgers: f = u_t + u u_x - nu u_xx; kdv: f = u_t + 6 u u_x + u_xxx;
+    mean(f^2) [+ mean((u_b - g_b)^2)]."""
+    if kdv:
+        u_xxx = u_xxx()
+        f = u_t + 6.0 * u * u_x + u_xxx
+    else:
+        f = u_t + u * u_x - u_xx() * BURGERS_NU
+    l = mean(f * f)
+    if boundary:
+        e = boundary_error()
+        l = l + mean(e * e)
+    return l
+
+
 def torch_loss_fn(spec):
     """loss(w, d) -> scalar tensor, on torch autograd (inner grads with create_graph).
     For hvp the returned scalar is dot(grad(L, w), v), whose gradient in w is H v."""
@@ -196,13 +225,7 @@ def torch_loss_fn(spec):
            "leaky_relu": lambda h: F.leaky_relu(h, 0.2)}[spec.act]
 
     def net(x, w):
-        h = x
-        layers = len(w) // 2
-        for i in range(layers):
-            h = torch.mm(h, w[2 * i]) + w[2 * i + 1]
-            if i + 1 < layers:
-                h = act(h)
-        return h
+        return mlp(x, w, act, torch.mm)
 
     def sum_grad(y, x):
         return torch.autograd.grad([y], [x], [torch.ones_like(y)], create_graph=True)[0]
@@ -219,16 +242,9 @@ def torch_loss_fn(spec):
             u_t = du.narrow(1, 0, 1)
             u_x = du.narrow(1, 1, 1)
             u_xx = sum_grad(u_x, x).narrow(1, 1, 1)
-            if kdv:
-                u_xxx = sum_grad(u_xx, x).narrow(1, 1, 1)
-                f = u_t + 6.0 * u * u_x + u_xxx
-            else:
-                f = u_t + u * u_x - u_xx * BURGERS_NU
-            l = (f * f).mean()
-            if boundary:
-                e = net(d[1], w) - d[2]
-                l = l + (e * e).mean()
-            return l
+            return pde_loss(kdv, boundary, u, u_t, u_x, lambda: u_xx,
+                            lambda: sum_grad(u_xx, x).narrow(1, 1, 1),
+                            lambda: net(d[1], w) - d[2], torch.mean)
         return loss
     if name in ("forces_silu", "forces_softplus"):
         def loss(w, d):
@@ -307,13 +323,7 @@ def jax_step_fn(spec):
         return jax.nn.leaky_relu(h, 0.2)
 
     def net(x, w):
-        h = x
-        layers = len(w) // 2
-        for i in range(layers):
-            h = jnp.dot(h, w[2 * i]) + w[2 * i + 1]
-            if i + 1 < layers:
-                h = act(h)
-        return h
+        return mlp(x, w, act, jnp.dot)
 
     def sum_grad(fn, x):
         """d(sum fn(x))/dx."""
@@ -334,16 +344,9 @@ def jax_step_fn(spec):
             du = du_fn(x)
             u_t = du[:, 0:1]
             u_x = du[:, 1:2]
-            if kdv:
-                u_xxx = sum_grad(u_xx_fn, x)[:, 1:2]
-                f = u_t + 6.0 * u * u_x + u_xxx
-            else:
-                f = u_t + u * u_x - u_xx_fn(x) * BURGERS_NU
-            l = jnp.mean(f * f)
-            if boundary:
-                e = net(d[1], w) - d[2]
-                l = l + jnp.mean(e * e)
-            return l
+            return pde_loss(kdv, boundary, u, u_t, u_x, lambda: u_xx_fn(x),
+                            lambda: sum_grad(u_xx_fn, x)[:, 1:2],
+                            lambda: net(d[1], w) - d[2], jnp.mean)
         return jax.jit(jax.value_and_grad(loss))
     if name in ("forces_silu", "forces_softplus"):
         def loss(w, d):
