@@ -76,6 +76,12 @@ class Spec:
         self.data.append(np.ascontiguousarray(a))
         self.data_grad.append(grad)
 
+    def add_listed(self, shape, grad=False):
+        """Appends the next listed tensor (the specification's values at scale 1, in the
+        workload's dtype) as data and counts it."""
+        self.add_data(formula(shape, 1, self.next_t()).astype(self.dtype), grad)
+        self.count_listed()
+
     def describe(self):
         act = {"tanh": "tanh", "silu": "SiLU", "softplus": "softplus",
                "leaky_relu": "leaky ReLU 0.2"}[self.act]
@@ -94,24 +100,18 @@ def make_spec(name, dtype, small):
         boundary = name == "burgers"
         s = Spec(name, dt, small, 3, "tanh", mlp_layers(2, 8 if (small and boundary) else 20, 8, 1))
         n, nb = (64, 8) if small else (10000, 100)
-        s.add_data(formula([n, 2], 1, s.next_t()).astype(dt), True)
-        s.count_listed()
+        s.add_listed([n, 2], True)
         if boundary:
-            s.add_data(formula([nb, 2], 1, s.next_t()).astype(dt))
-            s.count_listed()
-            s.add_data(formula([nb, 1], 1, s.next_t()).astype(dt))
-            s.count_listed()
+            s.add_listed([nb, 2])
+            s.add_listed([nb, 1])
         s.sizes = "%d + %d" % (n, nb) if boundary else "%d" % n
         return s
     if name == "kdv":
         s = Spec(name, dt, small, 4, "tanh", mlp_layers(2, 8 if small else 32, 4, 1))
         n, nb = (64, 8) if small else (4000, 100)
-        s.add_data(formula([n, 2], 1, s.next_t()).astype(dt), True)
-        s.count_listed()
-        s.add_data(formula([nb, 2], 1, s.next_t()).astype(dt))
-        s.count_listed()
-        s.add_data(formula([nb, 1], 1, s.next_t()).astype(dt))
-        s.count_listed()
+        s.add_listed([n, 2], True)
+        s.add_listed([nb, 2])
+        s.add_listed([nb, 1])
         s.sizes = "%d + %d" % (n, nb)
         return s
     if name in ("forces_silu", "forces_softplus"):
@@ -119,12 +119,9 @@ def make_spec(name, dtype, small):
         s = Spec(name, dt, small, 2, "softplus" if softplus else "silu",
                  mlp_layers(12, 16 if (small and not softplus) else 64, 2, 1))
         n = 32 if small else 2000
-        s.add_data(formula([n, 12], 1, s.next_t()).astype(dt), True)
-        s.count_listed()
-        s.add_data(formula([n, 1], 1, s.next_t()).astype(dt))
-        s.count_listed()
-        s.add_data(formula([n, 12], 1, s.next_t()).astype(dt))
-        s.count_listed()
+        s.add_listed([n, 12], True)
+        s.add_listed([n, 1])
+        s.add_listed([n, 12])
         s.sizes = "%d" % n
         return s
     if name in ("critic128", "critic512"):
@@ -147,8 +144,7 @@ def make_spec(name, dtype, small):
     if name == "hvp":
         s = Spec(name, dt, small, 2, "tanh", mlp_layers(64, 16 if small else 256, 2, 10))
         n = 16 if small else 512
-        s.add_data(formula([n, 64], 1, s.next_t()).astype(dt))
-        s.count_listed()
+        s.add_listed([n, 64])
         s.add_data(np.arange(n, dtype=np.int64) % 10)
         s.count_listed()
         for w in s.weights:
@@ -198,11 +194,17 @@ def mlp(x, w, act, matmul):
             h = act(h)
     return h
 
-def pde_loss(kdv, boundary, u, u_t, u_x, u_xx, u_xxx, boundary_error, mean):
-    """The loss of burgers, burgers_residual (boundary False) and kdv from u = net(X) and
-    its derivatives; u_xx, u_xxx and boundary_error (net(X_b) - g_b) are called where
-    needed. burgers: f = u_t + u u_x - nu u_xx; kdv: f = u_t + 6 u u_x + u_xxx;
-    mean(f^2) [+ mean((u_b - g_b)^2)]."""
+
+PDE_WORKLOADS = ("burgers", "burgers_residual", "kdv")
+
+
+def pde_loss(name, u, u_t, u_x, u_xx, u_xxx, boundary_error, mean):
+    """The loss of the PDE workload `name` (one of PDE_WORKLOADS) from u = net(X) and its
+    derivatives; u_xx, u_xxx and boundary_error (net(X_b) - g_b) are called where needed.
+    burgers: f = u_t + u u_x - nu u_xx; kdv: f = u_t + 6 u u_x + u_xxx; mean(f^2)
+    [+ mean((u_b - g_b)^2), not for burgers_residual]."""
+    boundary = name != "burgers_residual"
+    kdv = name == "kdv"
     if kdv:
         u_xxx = u_xxx()
         f = u_t + 6.0 * u * u_x + u_xxx
@@ -231,10 +233,7 @@ def torch_loss_fn(spec):
         return torch.autograd.grad([y], [x], [torch.ones_like(y)], create_graph=True)[0]
 
     name = spec.name
-    if name in ("burgers", "burgers_residual", "kdv"):
-        boundary = name != "burgers_residual"
-        kdv = name == "kdv"
-
+    if name in PDE_WORKLOADS:
         def loss(w, d):
             x = d[0]
             u = net(x, w)
@@ -242,7 +241,7 @@ def torch_loss_fn(spec):
             u_t = du.narrow(1, 0, 1)
             u_x = du.narrow(1, 1, 1)
             u_xx = sum_grad(u_x, x).narrow(1, 1, 1)
-            return pde_loss(kdv, boundary, u, u_t, u_x, lambda: u_xx,
+            return pde_loss(name, u, u_t, u_x, lambda: u_xx,
                             lambda: sum_grad(u_xx, x).narrow(1, 1, 1),
                             lambda: net(d[1], w) - d[2], torch.mean)
         return loss
@@ -330,10 +329,7 @@ def jax_step_fn(spec):
         return jax.grad(lambda z: jnp.sum(fn(z)))(x)
 
     name = spec.name
-    if name in ("burgers", "burgers_residual", "kdv"):
-        boundary = name != "burgers_residual"
-        kdv = name == "kdv"
-
+    if name in PDE_WORKLOADS:
         def loss(w, d):
             x = d[0]
             u_fn = lambda z: net(z, w)
@@ -344,7 +340,7 @@ def jax_step_fn(spec):
             du = du_fn(x)
             u_t = du[:, 0:1]
             u_x = du[:, 1:2]
-            return pde_loss(kdv, boundary, u, u_t, u_x, lambda: u_xx_fn(x),
+            return pde_loss(name, u, u_t, u_x, lambda: u_xx_fn(x),
                             lambda: sum_grad(u_xx_fn, x)[:, 1:2],
                             lambda: net(d[1], w) - d[2], jnp.mean)
         return jax.jit(jax.value_and_grad(loss))
