@@ -44,6 +44,16 @@ double step_difference(const Step& got, const Step& want) {
   return d;
 }
 
+// `rounds` calls of `step` (the later ones run cached closures), each checked against
+// libtorch's `want` within `tol` (step_difference).
+template <class StepFn>
+void check_rounds(int rounds, StepFn step, const Step& want, double tol) {
+  for (int round = 0; round < rounds; ++round) {
+    CAPTURE(round);
+    CHECK(step_difference(step(), want) <= tol);
+  }
+}
+
 // The Functions of the stages of `c` that run row-tiled regions.
 std::size_t count_regions(const sj::closure::MultiStageClosure& c) {
   std::size_t n = 0;
@@ -70,10 +80,7 @@ TEST_CASE("row-tiled regions: a third-order step equals libtorch in double, tile
         CAPTURE(specialize);
         auto net = sj::compile(mlp, {.derivatives = 3, .fuse = fuse, .specialize = specialize, .tile_rows = tile});
         // Three rounds: the later ones run the cached stage variants of several masks.
-        for (int round = 0; round < 3; ++round) {
-          CAPTURE(round);
-          CHECK(step_difference(sj_step(net, data), want) <= 1e-10);
-        }
+        check_rounds(3, [&] { return sj_step(net, data); }, want, 1e-10);
       }
 }
 
@@ -83,10 +90,7 @@ TEST_CASE("row-tiled regions: a third-order step equals libtorch in float") {
   const auto data = mlp_data(at::kFloat);
   const Step want = torch_step(data);
   auto net = sj::compile(mlp, {.derivatives = 3, .tile_rows = 512});
-  for (int round = 0; round < 3; ++round) {
-    CAPTURE(round);
-    CHECK(step_difference(sj_step(net, data), want) <= 1e-5);
-  }
+  check_rounds(3, [&] { return sj_step(net, data); }, want, 1e-5);
 }
 
 TEST_CASE("row-tiled regions: a compiled loss with inner grads (narrow, cat, lone ops) equals libtorch") {
@@ -97,10 +101,7 @@ TEST_CASE("row-tiled regions: a compiled loss with inner grads (narrow, cat, lon
   for (int64_t tile : {int64_t(0), int64_t(256), int64_t(1000)}) {
     CAPTURE(tile);
     auto loss = sj::compile(mlp_loss, {.derivatives = 1, .tile_rows = tile});
-    for (int round = 0; round < 2; ++round) {
-      CAPTURE(round);
-      CHECK(step_difference(sj_loss_step(loss, data), want) <= 1e-10);
-    }
+    check_rounds(2, [&] { return sj_loss_step(loss, data); }, want, 1e-10);
   }
   // Stage 1 (the loss's gradient) reads narrow's gradient (cat with zeros) and products
   // the fuser left alone; in its regions they are column copies and one-node kernels,
