@@ -74,8 +74,8 @@ TEST_CASE("higher-order workloads: the specification's values") {
   CHECK_THROWS_AS((void)ho::make_workload("nope", at::kFloat, true), std::invalid_argument);
 }
 
-// One subcase per workload of ho::workload_names() (doctest reruns the case once per
-// subcase, so a failed REQUIRE in one workload does not skip the others).
+// One subcase per workload of ho::workload_names(), each reported under its name (doctest
+// reruns the case once per subcase; a failed REQUIRE ends the case, later workloads too).
 TEST_CASE("higher-order workloads: every workload equals libtorch") {
   for (const std::string& name : ho::workload_names()) {
     const std::string subcase = name + " equals libtorch";
