@@ -3,6 +3,8 @@
 // call spends its time, in a fresh kernel cache. Not part of the library.
 #include <stagejit/compiler.hpp>
 
+#include <CLI/CLI.hpp>
+
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -47,6 +49,16 @@ inline std::string first_call_cache(bool warm) {
     return {};
   }
   return "kernel cache: " + fresh + " (fresh)";
+}
+
+/// The options of a bench with `--first-call`: `--first-call MODE` (`staged` or
+/// `compile-loss`; `help` says what the bench measures) into `first_call`, and the
+/// `--warm-cache` flag (first_call_cache's `warm`) into `warm_cache`.
+inline void add_first_call_options(CLI::App& app, std::string& first_call, bool& warm_cache, const std::string& help) {
+  app.add_option("--first-call", first_call, help)->check(CLI::IsMember({"staged", "compile-loss"}));
+  app.add_flag("--warm-cache", warm_cache,
+               "With --first-call: use the default kernel cache folder (warm once a run has filled it) instead "
+               "of a fresh one");
 }
 
 /// Prints the breakdown of a first call that took `first_ms`, for the compiled

@@ -8,6 +8,8 @@
 // shapes. Not part of the library.
 #include <ATen/record_function.h>
 
+#include "../test/support/record_function.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -138,15 +140,8 @@ inline GemmProfile profile_gemm(const std::function<void()>& run, bool with_inpu
     s.unknown = 0;
     s.by_shape.clear();
   }
-  auto handle = at::addGlobalCallback(
-      at::RecordFunctionCallback(gemm_detail::on_start, gemm_detail::on_end).needsInputs(with_inputs));
-  try {
-    run();
-  } catch (...) {
-    at::removeCallback(handle);
-    throw;
-  }
-  at::removeCallback(handle);
+  stagejit::testing::with_global_callback(
+      at::RecordFunctionCallback(gemm_detail::on_start, gemm_detail::on_end).needsInputs(with_inputs), run);
   std::lock_guard<std::mutex> lock(s.mutex);
   GemmProfile p;
   p.wall_ms = double(s.busy_ns) * 1e-6;

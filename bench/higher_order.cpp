@@ -168,14 +168,11 @@ int main(int argc, char** argv) {
                  "count); libtorch's CPU backward runs on the calling thread")
       ->capture_default_str()
       ->check(CLI::Range(1, 256));
-  app.add_option("--first-call", first_call,
-                 "Only the first call of one compiled mode of each selected workload, in a fresh temporary kernel "
-                 "cache: its time and where it goes (the backend's counters add up over the workloads)")
-      ->check(CLI::IsMember({"staged", "compile-loss"}));
   bool warm_cache = false;
-  app.add_flag("--warm-cache", warm_cache,
-               "With --first-call: use the default kernel cache folder (warm once a run has filled it) instead "
-               "of a fresh one");
+  sj::bench::add_first_call_options(
+      app, first_call, warm_cache,
+      "Only the first call of one compiled mode of each selected workload, in a fresh temporary kernel "
+      "cache: its time and where it goes (the backend's counters add up over the workloads)");
   if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
   if (workloads.empty()) workloads = all;
 

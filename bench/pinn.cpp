@@ -103,14 +103,10 @@ int main(int argc, char** argv) {
                "glibc keeps freed memory in the heap (mallopt, as bench/closure's level field), so "
                "no mode pays page faults for fresh blocks: libtorch's time stops being bimodal");
   std::string first_call;
-  app.add_option("--first-call", first_call,
-                 "Only the first call of one compiled mode, in a fresh temporary kernel cache: its time "
-                 "and where it goes (trace, passes, closures, compiler runs, loading)")
-      ->check(CLI::IsMember({"staged", "compile-loss"}));
   bool warm_cache = false;
-  app.add_flag("--warm-cache", warm_cache,
-               "With --first-call: use the default kernel cache folder (warm once a run has filled it) instead "
-               "of a fresh one");
+  sj::bench::add_first_call_options(app, first_call, warm_cache,
+                                    "Only the first call of one compiled mode, in a fresh temporary kernel cache: "
+                                    "its time and where it goes (trace, passes, closures, compiler runs, loading)");
   if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
   std::string cache_line;
   if (!first_call.empty() && (cache_line = sj::bench::first_call_cache(warm_cache)).empty()) return 2;

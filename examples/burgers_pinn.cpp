@@ -461,7 +461,7 @@ int main(int argc, char** argv) {
   if (!o.metrics.empty() && !(metrics = open_output(o.metrics, "metrics", "w"))) return 2;
   if (!o.plot.empty() && !(plot = open_output(o.plot, "plot", "wb"))) return 2;
 
-  try {
+  return stagejit_examples::run_reporting_errors<sj::Error>(1, [&]() -> int {
     const at::ScalarType dtype = o.dtype == "double" ? at::kDouble : at::kFloat;
     auto t0 = Clock::now();
     const ReferenceSolution ref = reference_solution();
@@ -514,12 +514,6 @@ int main(int argc, char** argv) {
       torch::save(trainers.front()->weights_double(), o.save_weights);
       std::printf("weights (%s run, double): %s\n", trainers.front()->name(), o.save_weights.c_str());
     }
-  } catch (const sj::Error& e) {
-    std::fprintf(stderr, "stagejit error: %s\n", e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+    return 0;
+  });
 }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <optional>
 #include <string>
 
@@ -28,6 +29,22 @@ inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** arg
     return 2;
   }
   return std::nullopt;
+}
+
+/// Runs the body of `main` (`body()` returns its exit status). An exception is printed
+/// to stderr, as "stagejit error: ..." for a `LibraryError` (stagejit::Error) and
+/// "error: ..." for another std::exception, and `error_status` is returned instead.
+template <class LibraryError, class Body>
+int run_reporting_errors(int error_status, Body body) {
+  try {
+    return body();
+  } catch (const LibraryError& e) {
+    std::fprintf(stderr, "stagejit error: %s\n", e.what());
+    return error_status;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return error_status;
+  }
 }
 
 /// Sets OpenBLAS's own thread count (Debian's libtorch calls the system BLAS, OpenBLAS,

@@ -17,6 +17,7 @@
 #include <stagejit/distributed/data_parallel.hpp>
 #endif
 
+#include "cli.hpp"
 #include "cnn.hpp"
 #include "mlp.hpp"
 
@@ -919,7 +920,7 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  try {
+  return stagejit_examples::run_reporting_errors<sj::Error>(2, [&]() -> int {
     const Params init = model.init_params(o.seed);
     if (o.print_graph) {
       cnn::RunningStats stats = cnn::RunningStats::initial(model.is_cnn && model.cnn.batch_norm);
@@ -955,12 +956,6 @@ int main(int argc, char** argv) {
       if (o.compare) print_profile(modes, o, model, init, train_set);
       if (!o.metrics.empty()) write_metrics(o.metrics, runs);
     }
-  } catch (const sj::Error& e) {
-    std::fprintf(stderr, "stagejit error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
-  }
-  return 0;
+    return 0;
+  });
 }

@@ -76,6 +76,12 @@ class Spec:
         self.data.append(np.ascontiguousarray(a))
         self.data_grad.append(grad)
 
+    def add_listed(self, shape, grad=False):
+        """Appends the next listed tensor (the specification's values at scale 1, in the
+        workload's dtype) as data and counts it."""
+        self.add_data(formula(shape, 1, self.next_t()).astype(self.dtype), grad)
+        self.count_listed()
+
     def describe(self):
         act = {"tanh": "tanh", "silu": "SiLU", "softplus": "softplus",
                "leaky_relu": "leaky ReLU 0.2"}[self.act]
@@ -94,24 +100,18 @@ def make_spec(name, dtype, small):
         boundary = name == "burgers"
         s = Spec(name, dt, small, 3, "tanh", mlp_layers(2, 8 if (small and boundary) else 20, 8, 1))
         n, nb = (64, 8) if small else (10000, 100)
-        s.add_data(formula([n, 2], 1, s.next_t()).astype(dt), True)
-        s.count_listed()
+        s.add_listed([n, 2], True)
         if boundary:
-            s.add_data(formula([nb, 2], 1, s.next_t()).astype(dt))
-            s.count_listed()
-            s.add_data(formula([nb, 1], 1, s.next_t()).astype(dt))
-            s.count_listed()
+            s.add_listed([nb, 2])
+            s.add_listed([nb, 1])
         s.sizes = "%d + %d" % (n, nb) if boundary else "%d" % n
         return s
     if name == "kdv":
         s = Spec(name, dt, small, 4, "tanh", mlp_layers(2, 8 if small else 32, 4, 1))
         n, nb = (64, 8) if small else (4000, 100)
-        s.add_data(formula([n, 2], 1, s.next_t()).astype(dt), True)
-        s.count_listed()
-        s.add_data(formula([nb, 2], 1, s.next_t()).astype(dt))
-        s.count_listed()
-        s.add_data(formula([nb, 1], 1, s.next_t()).astype(dt))
-        s.count_listed()
+        s.add_listed([n, 2], True)
+        s.add_listed([nb, 2])
+        s.add_listed([nb, 1])
         s.sizes = "%d + %d" % (n, nb)
         return s
     if name in ("forces_silu", "forces_softplus"):
@@ -119,12 +119,9 @@ def make_spec(name, dtype, small):
         s = Spec(name, dt, small, 2, "softplus" if softplus else "silu",
                  mlp_layers(12, 16 if (small and not softplus) else 64, 2, 1))
         n = 32 if small else 2000
-        s.add_data(formula([n, 12], 1, s.next_t()).astype(dt), True)
-        s.count_listed()
-        s.add_data(formula([n, 1], 1, s.next_t()).astype(dt))
-        s.count_listed()
-        s.add_data(formula([n, 12], 1, s.next_t()).astype(dt))
-        s.count_listed()
+        s.add_listed([n, 12], True)
+        s.add_listed([n, 1])
+        s.add_listed([n, 12])
         s.sizes = "%d" % n
         return s
     if name in ("critic128", "critic512"):
@@ -147,8 +144,7 @@ def make_spec(name, dtype, small):
     if name == "hvp":
         s = Spec(name, dt, small, 2, "tanh", mlp_layers(64, 16 if small else 256, 2, 10))
         n = 16 if small else 512
-        s.add_data(formula([n, 64], 1, s.next_t()).astype(dt))
-        s.count_listed()
+        s.add_listed([n, 64])
         s.add_data(np.arange(n, dtype=np.int64) % 10)
         s.count_listed()
         for w in s.weights:
@@ -186,6 +182,41 @@ def max_rel_diff(loss, grads, ref_loss, ref_grads):
 
 # ---------------------------------------------------------------------------- torch
 
+
+def mlp(x, w, act, matmul):
+    """The workloads' network: layers x @ W + b (w = [W1, b1, W2, b2, ...]), `act` between
+    them, none after the last; `matmul` is the framework's matrix product."""
+    h = x
+    layers = len(w) // 2
+    for i in range(layers):
+        h = matmul(h, w[2 * i]) + w[2 * i + 1]
+        if i + 1 < layers:
+            h = act(h)
+    return h
+
+
+PDE_WORKLOADS = ("burgers", "burgers_residual", "kdv")
+
+
+def pde_loss(name, u, u_t, u_x, u_xx, u_xxx, boundary_error, mean):
+    """The loss of the PDE workload `name` (one of PDE_WORKLOADS) from u = net(X) and its
+    derivatives; u_xx, u_xxx and boundary_error (net(X_b) - g_b) are called where needed.
+    burgers: f = u_t + u u_x - nu u_xx; kdv: f = u_t + 6 u u_x + u_xxx; mean(f^2)
+    [+ mean((u_b - g_b)^2), not for burgers_residual]."""
+    boundary = name != "burgers_residual"
+    kdv = name == "kdv"
+    if kdv:
+        u_xxx = u_xxx()
+        f = u_t + 6.0 * u * u_x + u_xxx
+    else:
+        f = u_t + u * u_x - u_xx() * BURGERS_NU
+    l = mean(f * f)
+    if boundary:
+        e = boundary_error()
+        l = l + mean(e * e)
+    return l
+
+
 def torch_loss_fn(spec):
     """loss(w, d) -> scalar tensor, on torch autograd (inner grads with create_graph).
     For hvp the returned scalar is dot(grad(L, w), v), whose gradient in w is H v."""
@@ -196,22 +227,13 @@ def torch_loss_fn(spec):
            "leaky_relu": lambda h: F.leaky_relu(h, 0.2)}[spec.act]
 
     def net(x, w):
-        h = x
-        layers = len(w) // 2
-        for i in range(layers):
-            h = torch.mm(h, w[2 * i]) + w[2 * i + 1]
-            if i + 1 < layers:
-                h = act(h)
-        return h
+        return mlp(x, w, act, torch.mm)
 
     def sum_grad(y, x):
         return torch.autograd.grad([y], [x], [torch.ones_like(y)], create_graph=True)[0]
 
     name = spec.name
-    if name in ("burgers", "burgers_residual", "kdv"):
-        boundary = name != "burgers_residual"
-        kdv = name == "kdv"
-
+    if name in PDE_WORKLOADS:
         def loss(w, d):
             x = d[0]
             u = net(x, w)
@@ -219,16 +241,9 @@ def torch_loss_fn(spec):
             u_t = du.narrow(1, 0, 1)
             u_x = du.narrow(1, 1, 1)
             u_xx = sum_grad(u_x, x).narrow(1, 1, 1)
-            if kdv:
-                u_xxx = sum_grad(u_xx, x).narrow(1, 1, 1)
-                f = u_t + 6.0 * u * u_x + u_xxx
-            else:
-                f = u_t + u * u_x - u_xx * BURGERS_NU
-            l = (f * f).mean()
-            if boundary:
-                e = net(d[1], w) - d[2]
-                l = l + (e * e).mean()
-            return l
+            return pde_loss(name, u, u_t, u_x, lambda: u_xx,
+                            lambda: sum_grad(u_xx, x).narrow(1, 1, 1),
+                            lambda: net(d[1], w) - d[2], torch.mean)
         return loss
     if name in ("forces_silu", "forces_softplus"):
         def loss(w, d):
@@ -307,23 +322,14 @@ def jax_step_fn(spec):
         return jax.nn.leaky_relu(h, 0.2)
 
     def net(x, w):
-        h = x
-        layers = len(w) // 2
-        for i in range(layers):
-            h = jnp.dot(h, w[2 * i]) + w[2 * i + 1]
-            if i + 1 < layers:
-                h = act(h)
-        return h
+        return mlp(x, w, act, jnp.dot)
 
     def sum_grad(fn, x):
         """d(sum fn(x))/dx."""
         return jax.grad(lambda z: jnp.sum(fn(z)))(x)
 
     name = spec.name
-    if name in ("burgers", "burgers_residual", "kdv"):
-        boundary = name != "burgers_residual"
-        kdv = name == "kdv"
-
+    if name in PDE_WORKLOADS:
         def loss(w, d):
             x = d[0]
             u_fn = lambda z: net(z, w)
@@ -334,16 +340,9 @@ def jax_step_fn(spec):
             du = du_fn(x)
             u_t = du[:, 0:1]
             u_x = du[:, 1:2]
-            if kdv:
-                u_xxx = sum_grad(u_xx_fn, x)[:, 1:2]
-                f = u_t + 6.0 * u * u_x + u_xxx
-            else:
-                f = u_t + u * u_x - u_xx_fn(x) * BURGERS_NU
-            l = jnp.mean(f * f)
-            if boundary:
-                e = net(d[1], w) - d[2]
-                l = l + jnp.mean(e * e)
-            return l
+            return pde_loss(name, u, u_t, u_x, lambda: u_xx_fn(x),
+                            lambda: sum_grad(u_xx_fn, x)[:, 1:2],
+                            lambda: net(d[1], w) - d[2], jnp.mean)
         return jax.jit(jax.value_and_grad(loss))
     if name in ("forces_silu", "forces_softplus"):
         def loss(w, d):

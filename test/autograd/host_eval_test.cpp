@@ -1,31 +1,15 @@
 // Host functions (opaque ops) and Eval (opaque subgraphs).
 #include "oracle.hpp"
+#include "../support/host_functions.hpp"
 
 namespace {
 
 using VL = sj::variable_list;
 
-struct MulConstant : sj::HostFunction<MulConstant> {
-  static sj::Variable forward(sj::HostContext* ctx, sj::Variable x, double c) {
-    ctx->saved_data["c"] = c;
-    return sj::Variable(x.data() * c);
-  }
-  static VL backward(sj::HostContext* ctx, VL grads) {
-    return {grads[0] * std::get<double>(ctx->saved_data["c"])};
-  }
-};
-
-// x * y with a backward written in stagejit ops (so it has a second derivative).
-struct Mul : sj::HostFunction<Mul> {
-  static sj::Variable forward(sj::HostContext* ctx, sj::Variable x, sj::Variable y) {
-    ctx->save_for_backward({x, y});
-    return sj::Variable(x.data() * y.data());
-  }
-  static VL backward(sj::HostContext* ctx, VL g) {
-    auto s = ctx->get_saved_variables();
-    return {g[0] * s[1], g[0] * s[0]};
-  }
-};
+// MulConstant (y = x * c) and Mul (x * y with a backward written in stagejit ops, so it
+// has a second derivative): test/support/host_functions.hpp.
+using stagejit::testing::Mul;
+using stagejit::testing::MulConstant;
 
 // The libtorch / seed convention: one gradient per forward argument, undefined for the
 // non-tensor ones (the seed's MulConstant returns {g * c, None}).

@@ -17,13 +17,21 @@ struct Tracker {
   }
 };
 
+// Runs `body(x, tr)` on x = randn(5) (requiring grad); once it has returned (its
+// variables dropped), no tensor it tracked in `tr` is alive.
+template <class Body>
+void check_freed_after(Body body) {
+  Tracker tr;
+  sj::Variable x(at::randn({5}, at::kDouble), true);
+  body(x, tr);
+  CHECK(tr.alive() == 0);
+}
+
 }  // namespace
 
 TEST_SUITE("autograd") {
   TEST_CASE("no saved tensor stays alive after dropping the outputs") {
-    Tracker tr;
-    sj::Variable x(at::randn({5}, at::kDouble), true);
-    {
+    check_freed_after([](const sj::Variable& x, Tracker& tr) {
       sj::Variable a = sj::exp(x);      // saves its output
       sj::Variable b = sj::tanh(a);     // saves its output
       sj::Variable c = sj::mul(a, b);   // saves both inputs
@@ -31,14 +39,11 @@ TEST_SUITE("autograd") {
       for (auto& v : {a, b, c, y}) tr.track(v.data());
       CHECK(tr.alive() == 4);
       y.backward();
-    }
-    CHECK(tr.alive() == 0);
+    });
   }
 
   TEST_CASE("no saved tensor stays alive after create_graph") {
-    Tracker tr;
-    sj::Variable x(at::randn({5}, at::kDouble), true);
-    {
+    check_freed_after([](const sj::Variable& x, Tracker& tr) {
       sj::Variable a = sj::sin(x);
       sj::Variable y = sj::sum(sj::exp(a) * a);
       tr.track(a.data());
@@ -47,14 +52,11 @@ TEST_SUITE("autograd") {
       auto gg = sj::grad({sj::sum(g[0] * g[0])}, {x}, {}, true);
       tr.track(gg[0].data());
       CHECK(gg[0].requires_grad());
-    }
-    CHECK(tr.alive() == 0);
+    });
   }
 
   TEST_CASE("no saved tensor stays alive after a backward that threw") {
-    Tracker tr;
-    sj::Variable x(at::randn({5}, at::kDouble), true);
-    {
+    check_freed_after([](const sj::Variable& x, Tracker& tr) {
       struct Boom : sj::HostFunction<Boom> {
         static sj::Variable forward(sj::HostContext* ctx, sj::Variable v) {
           ctx->save_for_backward({v});
@@ -68,8 +70,7 @@ TEST_SUITE("autograd") {
       tr.track(a.data());
       tr.track(b.data());
       CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("no backward"), sj::Error);
-    }
-    CHECK(tr.alive() == 0);
+    });
   }
 
   TEST_CASE("a host function saving its own output does not keep itself alive") {

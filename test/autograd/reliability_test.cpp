@@ -2,6 +2,7 @@
 // host backwards returning broadcast or extra undefined gradients (libtorch's
 // validate_outputs and Function<T>), and long chains freed without recursion.
 #include "oracle.hpp"
+#include "../support/host_functions.hpp"
 
 #include <chrono>
 #include <string>
@@ -152,15 +153,12 @@ void check_kind(const char* what, SjCall sj_call, TorchFn torch_fn, at::Tensor a
 
 // ------------------------------------------------------------------ backward shapes
 // y = x * w with x [3], w [2, 3]; the backward returns x's gradient unreduced ([2, 3]).
+// The forward and backward of stagejit::testing::Mul, under its own name.
 struct BroadcastGrad : sj::HostFunction<BroadcastGrad> {
   static sj::Variable forward(sj::HostContext* ctx, sj::Variable x, sj::Variable w) {
-    ctx->save_for_backward({x, w});
-    return sj::Variable(x.data() * w.data());
+    return stagejit::testing::Mul::forward(ctx, std::move(x), std::move(w));
   }
-  static VL backward(sj::HostContext* ctx, VL g) {
-    auto s = ctx->get_saved_variables();
-    return {g[0] * s[1], g[0] * s[0]};
-  }
+  static VL backward(sj::HostContext* ctx, VL g) { return stagejit::testing::Mul::backward(ctx, std::move(g)); }
 };
 // The same in libtorch: its engine sums the [2, 3] gradient to x's [3].
 struct TorchBroadcastGrad : torch::autograd::Function<TorchBroadcastGrad> {
@@ -215,6 +213,24 @@ sj::Variable neg_chain(sj::Variable y, int n) {
   return y;
 }
 
+// check_kind for a host function F taking a std::vector<T> by value, given `value` as an
+// rvalue, an lvalue, a const lvalue and a moved-from caller variable.
+template <class F, class T, class TorchFn>
+void check_vector_kinds(const std::vector<T>& value, TorchFn torch_fn, at::Tensor a, at::Tensor b) {
+  check_kind("rvalue", [value](const sj::Variable& x) {
+    return F::apply(x, std::vector<T>(value));
+  }, torch_fn, a, b);
+  check_kind("lvalue", [value](const sj::Variable& x) {
+    std::vector<T> v = value;
+    return F::apply(x, v);
+  }, torch_fn, a, b);
+  check_kind("const lvalue", [value](const sj::Variable& x) { return F::apply(x, value); }, torch_fn, a, b);
+  check_kind("moved-from caller variable", [value](const sj::Variable& x) {
+    std::vector<T> v = value;
+    return F::apply(x, std::move(v));
+  }, torch_fn, a, b);
+}
+
 }  // namespace
 
 TEST_SUITE("autograd") {
@@ -256,18 +272,7 @@ TEST_SUITE("autograd") {
     at::Tensor a = at::randn({3}, at::kDouble), b = at::randn({3}, at::kDouble);
     const std::vector<double> w = {0.5, -2.0, 3.0};
     auto torch_w = [w](const torch::Tensor& x) { return x * at::tensor(w, at::kDouble); };
-    check_kind("rvalue", [](const sj::Variable& x) {
-      return VecScale::apply(x, std::vector<double>{0.5, -2.0, 3.0});
-    }, torch_w, a, b);
-    check_kind("lvalue", [w](const sj::Variable& x) {
-      std::vector<double> v = w;
-      return VecScale::apply(x, v);
-    }, torch_w, a, b);
-    check_kind("const lvalue", [w](const sj::Variable& x) { return VecScale::apply(x, w); }, torch_w, a, b);
-    check_kind("moved-from caller variable", [w](const sj::Variable& x) {
-      std::vector<double> v = w;
-      return VecScale::apply(x, std::move(v));
-    }, torch_w, a, b);
+    check_vector_kinds<VecScale>(w, torch_w, a, b);
     check_kind("rvalue into vector<double>&&", [](const sj::Variable& x) {
       return VecScaleRvalue::apply(x, std::vector<double>{0.5, -2.0, 3.0});
     }, torch_w, a, b);
@@ -282,18 +287,7 @@ TEST_SUITE("autograd") {
     at::Tensor a = at::randn({4}, at::kDouble), b = at::randn({4}, at::kDouble);
     const std::vector<int64_t> idx = {3, 0, 0, 2, 1};
     auto torch_idx = [idx](const torch::Tensor& x) { return x.index_select(0, at::tensor(idx, at::kLong)); };
-    check_kind("rvalue", [](const sj::Variable& x) {
-      return Gather::apply(x, std::vector<int64_t>{3, 0, 0, 2, 1});
-    }, torch_idx, a, b);
-    check_kind("lvalue", [idx](const sj::Variable& x) {
-      std::vector<int64_t> v = idx;
-      return Gather::apply(x, v);
-    }, torch_idx, a, b);
-    check_kind("const lvalue", [idx](const sj::Variable& x) { return Gather::apply(x, idx); }, torch_idx, a, b);
-    check_kind("moved-from caller variable", [idx](const sj::Variable& x) {
-      std::vector<int64_t> v = idx;
-      return Gather::apply(x, std::move(v));
-    }, torch_idx, a, b);
+    check_vector_kinds<Gather>(idx, torch_idx, a, b);
   }
 
   TEST_CASE("host function with every argument kind at once, scalars around the tensors, eager and compiled") {

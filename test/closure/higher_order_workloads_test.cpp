@@ -74,41 +74,16 @@ TEST_CASE("higher-order workloads: the specification's values") {
   CHECK_THROWS_AS((void)ho::make_workload("nope", at::kFloat, true), std::invalid_argument);
 }
 
-TEST_CASE("higher-order workloads: burgers equals libtorch") {
-  check_workload("burgers", at::kFloat);
-  check_workload("burgers", at::kDouble);
-}
-TEST_CASE("higher-order workloads: burgers_residual equals libtorch") {
-  check_workload("burgers_residual", at::kFloat);
-  check_workload("burgers_residual", at::kDouble);
-}
-TEST_CASE("higher-order workloads: kdv equals libtorch") {
-  check_workload("kdv", at::kFloat);
-  check_workload("kdv", at::kDouble);
-}
-TEST_CASE("higher-order workloads: forces_silu equals libtorch") {
-  check_workload("forces_silu", at::kFloat);
-  check_workload("forces_silu", at::kDouble);
-}
-TEST_CASE("higher-order workloads: forces_softplus equals libtorch") {
-  check_workload("forces_softplus", at::kFloat);
-  check_workload("forces_softplus", at::kDouble);
-}
-TEST_CASE("higher-order workloads: critic128 equals libtorch") {
-  check_workload("critic128", at::kFloat);
-  check_workload("critic128", at::kDouble);
-}
-TEST_CASE("higher-order workloads: critic512 equals libtorch") {
-  check_workload("critic512", at::kFloat);
-  check_workload("critic512", at::kDouble);
-}
-TEST_CASE("higher-order workloads: hvp equals libtorch") {
-  check_workload("hvp", at::kFloat);
-  check_workload("hvp", at::kDouble);
-}
-TEST_CASE("higher-order workloads: maml equals libtorch") {
-  check_workload("maml", at::kFloat);
-  check_workload("maml", at::kDouble);
+// One subcase per workload of ho::workload_names(), each reported under its name (doctest
+// reruns the case once per subcase; a failed REQUIRE ends the case, later workloads too).
+TEST_CASE("higher-order workloads: every workload equals libtorch") {
+  for (const std::string& name : ho::workload_names()) {
+    const std::string subcase = name + " equals libtorch";
+    SUBCASE(subcase.c_str()) {
+      check_workload(name, at::kFloat);
+      check_workload(name, at::kDouble);
+    }
+  }
 }
 
 }  // TEST_SUITE

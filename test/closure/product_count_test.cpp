@@ -24,6 +24,7 @@
 #include <stagejit/testing/doctest.hpp>
 
 #include "../support/pinn_step.hpp"
+#include "../support/record_function.hpp"
 
 #include <ATen/record_function.h>
 
@@ -98,14 +99,7 @@ ProductCount count_products(F&& f) {
     std::lock_guard<std::mutex> lock(g_mutex);
     g_count = {};
   }
-  auto handle = at::addGlobalCallback(at::RecordFunctionCallback(on_start, on_end).needsInputs(true));
-  try {
-    f();
-  } catch (...) {
-    at::removeCallback(handle);
-    throw;
-  }
-  at::removeCallback(handle);
+  stagejit::testing::with_global_callback(at::RecordFunctionCallback(on_start, on_end).needsInputs(true), f);
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_count;
 }

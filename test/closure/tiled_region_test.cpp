@@ -32,6 +32,18 @@ std::vector<at::Tensor> mlp_data(at::ScalarType dtype) {
           at::randn({20, 20}, o) * 0.3,    at::randn({20}, o) * 0.1,   at::randn({20, 1}, o) * 0.3};
 }
 
+// mlp_data(dtype) after at::manual_seed(seed), and libtorch's step on it.
+struct Reference {
+  std::vector<at::Tensor> data;
+  Step want;
+};
+Reference reference_step(uint64_t seed, at::ScalarType dtype) {
+  at::manual_seed(seed);
+  auto data = mlp_data(dtype);
+  Step want = torch_step(data);
+  return {std::move(data), std::move(want)};
+}
+
 // Largest |a - b| / (1 + max |b|) over the loss and the gradients.
 double step_difference(const Step& got, const Step& want) {
   double d = std::abs(got.loss - want.loss) / (1 + std::abs(want.loss));
@@ -42,6 +54,16 @@ double step_difference(const Step& got, const Step& want) {
     d = std::max(d, max_abs_diff(got.grads[i].to(at::kDouble), w) / (1 + w.abs().max().item<double>()));
   }
   return d;
+}
+
+// `rounds` calls of `step` (the later ones run cached closures), each checked against
+// libtorch's `want` within `tol` (step_difference).
+template <class StepFn>
+void check_rounds(int rounds, StepFn step, const Step& want, double tol) {
+  for (int round = 0; round < rounds; ++round) {
+    CAPTURE(round);
+    CHECK(step_difference(step(), want) <= tol);
+  }
 }
 
 // The Functions of the stages of `c` that run row-tiled regions.
@@ -59,9 +81,7 @@ TEST_SUITE("closure") {
 
 TEST_CASE("row-tiled regions: a third-order step equals libtorch in double, tiled or not") {
   if (!sj::ops::small_mm_enabled()) return;  // regions need LIBXSMM
-  at::manual_seed(5);
-  const auto data = mlp_data(at::kDouble);
-  const Step want = torch_step(data);
+  const auto [data, want] = reference_step(5, at::kDouble);
   for (int64_t tile : {int64_t(0), int64_t(256), int64_t(1000)})
     for (bool fuse : {true, false})
       for (bool specialize : {true, false}) {
@@ -70,37 +90,24 @@ TEST_CASE("row-tiled regions: a third-order step equals libtorch in double, tile
         CAPTURE(specialize);
         auto net = sj::compile(mlp, {.derivatives = 3, .fuse = fuse, .specialize = specialize, .tile_rows = tile});
         // Three rounds: the later ones run the cached stage variants of several masks.
-        for (int round = 0; round < 3; ++round) {
-          CAPTURE(round);
-          CHECK(step_difference(sj_step(net, data), want) <= 1e-10);
-        }
+        check_rounds(3, [&] { return sj_step(net, data); }, want, 1e-10);
       }
 }
 
 TEST_CASE("row-tiled regions: a third-order step equals libtorch in float") {
   if (!sj::ops::small_mm_enabled()) return;
-  at::manual_seed(6);
-  const auto data = mlp_data(at::kFloat);
-  const Step want = torch_step(data);
+  const auto [data, want] = reference_step(6, at::kFloat);
   auto net = sj::compile(mlp, {.derivatives = 3, .tile_rows = 512});
-  for (int round = 0; round < 3; ++round) {
-    CAPTURE(round);
-    CHECK(step_difference(sj_step(net, data), want) <= 1e-5);
-  }
+  check_rounds(3, [&] { return sj_step(net, data); }, want, 1e-5);
 }
 
 TEST_CASE("row-tiled regions: a compiled loss with inner grads (narrow, cat, lone ops) equals libtorch") {
   if (!sj::ops::small_mm_enabled()) return;
-  at::manual_seed(9);
-  const auto data = mlp_data(at::kDouble);
-  const Step want = torch_step(data);
+  const auto [data, want] = reference_step(9, at::kDouble);
   for (int64_t tile : {int64_t(0), int64_t(256), int64_t(1000)}) {
     CAPTURE(tile);
     auto loss = sj::compile(mlp_loss, {.derivatives = 1, .tile_rows = tile});
-    for (int round = 0; round < 2; ++round) {
-      CAPTURE(round);
-      CHECK(step_difference(sj_loss_step(loss, data), want) <= 1e-10);
-    }
+    check_rounds(2, [&] { return sj_loss_step(loss, data); }, want, 1e-10);
   }
   // Stage 1 (the loss's gradient) reads narrow's gradient (cat with zeros) and products
   // the fuser left alone; in its regions they are column copies and one-node kernels,
@@ -178,19 +185,14 @@ TEST_CASE("row-tiled regions: a lone elementwise op runs as a kernel, narrow and
 }
 
 TEST_CASE("cross-stage rematerialisation: fewer values cross stages, the same step as libtorch") {
-  at::manual_seed(10);
-  const auto data = mlp_data(at::kDouble);
-  const Step want = torch_step(data);
+  const auto [data, want] = reference_step(10, at::kDouble);
   std::map<std::pair<bool, int64_t>, std::size_t> saved;
   for (bool remat : {false, true}) {
     CAPTURE(remat);
     for (int64_t tile : {int64_t(0), int64_t(512)}) {
       CAPTURE(tile);
       auto net = sj::compile(mlp, {.derivatives = 3, .tile_rows = tile, .rematerialize = remat});
-      for (int round = 0; round < 2; ++round) {
-        CAPTURE(round);
-        CHECK(step_difference(sj_step(net, data), want) <= 1e-10);
-      }
+      check_rounds(2, [&] { return sj_step(net, data); }, want, 1e-10);
       sj::variable_list in;
       for (const auto& t : data) in.emplace_back(t, true);
       auto closure = net.closure_for(in);

@@ -25,8 +25,6 @@
 #include <thread>
 #include <vector>
 
-extern char** environ;
-
 namespace {
 
 namespace sj = stagejit;
@@ -182,14 +180,7 @@ struct Child {
 // Spawns this executable as the dp-worker of `rank` with `env` added; stderr to a file.
 Child spawn_worker(int rank, int world, int port, const fs::path& dir, std::vector<std::string> env) {
   const std::string exe = fs::read_symlink("/proc/self/exe").string();
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e; ++e) {
-    const std::string kv = *e;
-    if (kv.rfind("RANK=", 0) && kv.rfind("WORLD_SIZE=", 0) && kv.rfind("MASTER_", 0) && kv.rfind("DP_", 0) &&
-        kv.rfind(std::string(stagejit::testing::child_env) + "=", 0))
-      env_strings.push_back(kv);
-  }
-  env_strings.push_back(std::string(stagejit::testing::child_env) + "=dp-worker");
+  std::vector<std::string> env_strings = stagejit::testing::child_environment("dp-worker", "DP_");
   env_strings.push_back("RANK=" + std::to_string(rank));
   env_strings.push_back("WORLD_SIZE=" + std::to_string(world));
   env_strings.push_back("MASTER_ADDR=127.0.0.1");
@@ -197,9 +188,7 @@ Child spawn_worker(int rank, int world, int port, const fs::path& dir, std::vect
   env_strings.push_back("DP_OUT=" + (dir / ("params." + std::to_string(rank))).string());
   env_strings.push_back("OMP_NUM_THREADS=1");
   for (auto& e : env) env_strings.push_back(e);
-  std::vector<char*> envp;
-  for (auto& kv : env_strings) envp.push_back(kv.data());
-  envp.push_back(nullptr);
+  std::vector<char*> envp = stagejit::testing::env_pointers(env_strings);
   std::string arg0 = exe;
   char* argv[] = {arg0.data(), nullptr};
   Child c;

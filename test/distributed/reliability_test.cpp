@@ -31,8 +31,6 @@
 #include <thread>
 #include <vector>
 
-extern char** environ;
-
 namespace {
 
 namespace sj = stagejit;
@@ -166,6 +164,17 @@ int unused_port() {
   return ntohs(a.sin_port);
 }
 
+// The options of `rank` of a world of 2 on 127.0.0.1 at an unused port, with `timeout`.
+dist::ProcessGroupOptions two_ranks_on_loopback(int rank, std::chrono::milliseconds timeout) {
+  dist::ProcessGroupOptions o;
+  o.rank = rank;
+  o.world_size = 2;
+  o.master_addr = "127.0.0.1";
+  o.master_port = unused_port();
+  o.timeout = timeout;
+  return o;
+}
+
 // The child: a ProcessGroup from torchrun's variables with the timeout REL_TIMEOUT_MS.
 // Exit 3 with "elapsed_ms=N" and the error on stderr for a DistributedError, 4 for any
 // other exception, 0 when the group came up. It returns from main (static destructors
@@ -202,19 +211,10 @@ struct ChildResult {
 // variables of the parent dropped); kills it past `limit`.
 ChildResult run_connect_child(const std::vector<std::string>& env, std::chrono::milliseconds limit) {
   const std::string exe = fs::read_symlink("/proc/self/exe").string();
-  std::vector<std::string> strings;
-  for (char** e = environ; *e; ++e) {
-    const std::string kv = *e;
-    if (kv.rfind("RANK=", 0) && kv.rfind("WORLD_SIZE=", 0) && kv.rfind("MASTER_", 0) && kv.rfind("REL_", 0) &&
-        kv.rfind(std::string(stagejit::testing::child_env) + "=", 0))
-      strings.push_back(kv);
-  }
-  strings.push_back(std::string(stagejit::testing::child_env) + "=reliability-connect");
+  std::vector<std::string> strings = stagejit::testing::child_environment("reliability-connect", "REL_");
   strings.push_back("OMP_NUM_THREADS=1");
   for (const auto& e : env) strings.push_back(e);
-  std::vector<char*> envp;
-  for (auto& kv : strings) envp.push_back(kv.data());
-  envp.push_back(nullptr);
+  std::vector<char*> envp = stagejit::testing::env_pointers(strings);
   const fs::path err_path =
       fs::temp_directory_path() / ("stagejit-reliability-" + std::to_string(getpid()) + ".stderr");
   posix_spawn_file_actions_t fa;
@@ -336,12 +336,7 @@ TEST_SUITE("distributed") {
 
   TEST_CASE("no store at the address: rank 1 fails within the timeout, naming address, rank and timeout") {
     CleanDistEnv env;
-    dist::ProcessGroupOptions o;
-    o.rank = 1;
-    o.world_size = 2;
-    o.master_addr = "127.0.0.1";
-    o.master_port = unused_port();
-    o.timeout = std::chrono::milliseconds(800);
+    dist::ProcessGroupOptions o = two_ranks_on_loopback(1, std::chrono::milliseconds(800));
     const auto t0 = Clock::now();
     const std::string what = what_of([&] { dist::ProcessGroup g(o); });
     const auto took = Clock::now() - t0;
@@ -424,12 +419,7 @@ TEST_SUITE("distributed") {
 
   TEST_CASE("two processes given rank 0: the second names the port held by another process") {
     CleanDistEnv env;
-    dist::ProcessGroupOptions o;
-    o.rank = 0;
-    o.world_size = 2;
-    o.master_addr = "127.0.0.1";
-    o.master_port = unused_port();
-    o.timeout = std::chrono::milliseconds(2000);
+    dist::ProcessGroupOptions o = two_ranks_on_loopback(0, std::chrono::milliseconds(2000));
     // The first rank 0 hosts the store and waits for rank 1, which never comes.
     std::string first;
     std::thread first_rank0([&] { first = what_of([&] { dist::ProcessGroup g(o); }); });
@@ -460,14 +450,9 @@ TEST_SUITE("distributed") {
 
   TEST_CASE("a timeout too short is named as such") {
     CleanDistEnv env;
-    dist::ProcessGroupOptions o;
-    o.world_size = 2;
-    o.master_addr = "127.0.0.1";
-    o.master_port = unused_port();
-    o.timeout = std::chrono::milliseconds(1);
     // Rank 0 hosts the store (c10d's connect timeout, whole seconds, is no longer 0 s), then
     // rank 1 does not arrive within 1 ms.
-    o.rank = 0;
+    dist::ProcessGroupOptions o = two_ranks_on_loopback(0, std::chrono::milliseconds(1));
     std::string what = what_of([&] { dist::ProcessGroup g(o); });
     INFO(what);
     CHECK(what.find("timeout 0.001 s)") != std::string::npos);

@@ -98,9 +98,7 @@ pid_t spawn_child(const std::string& entry, const std::map<std::string, std::str
   vars["STAGEJIT_BATCH_REPORT"] = report.string();
   std::vector<std::string> strings;
   for (const auto& [k, v] : vars) strings.push_back(k + "=" + v);
-  std::vector<char*> envp;
-  for (auto& s : strings) envp.push_back(s.data());
-  envp.push_back(nullptr);
+  std::vector<char*> envp = stagejit::testing::env_pointers(strings);
   std::string arg0 = exe;
   char* argv[] = {arg0.data(), nullptr};
   posix_spawn_file_actions_t actions;

@@ -108,9 +108,7 @@ std::string run_child(const fs::path& dir) {
   env_strings.push_back("STAGEJIT_FUSION_CACHE_DIR=" + dir.string());
   env_strings.push_back("STAGEJIT_FUSION_CHILD_REPORT=" + out.string());
   env_strings.push_back(std::string(stagejit::testing::child_env) + "=fusion-cache");
-  std::vector<char*> envp;
-  for (auto& kv : env_strings) envp.push_back(kv.data());
-  envp.push_back(nullptr);
+  std::vector<char*> envp = stagejit::testing::env_pointers(env_strings);
   std::vector<std::string> args = {exe};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());

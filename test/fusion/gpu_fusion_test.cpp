@@ -29,6 +29,16 @@ bool no_cuda_tensors() { return !at::hasCUDA() || !fusion::cuda_driver_available
 
 at::TensorOptions on_gpu(at::ScalarType dtype) { return at::TensorOptions().dtype(dtype).device(at::kCUDA, 0); }
 
+// Runs `body` with float, double and half, the dtype's name captured.
+template <class Body>
+void for_gpu_dtypes(Body body) {
+  for (auto dtype : {at::kFloat, at::kDouble, at::kHalf}) {
+    const std::string dtype_name = c10::toString(dtype);
+    CAPTURE(dtype_name);
+    body(dtype);
+  }
+}
+
 /// rtol/atol for comparing a fused result (computed in one pass in the compute type)
 /// with ATen's op-by-op result of the same dtype.
 double tolerance(at::ScalarType dtype) {
@@ -82,9 +92,7 @@ TEST_SUITE("gpu") {
   TEST_CASE("fused tanh(a*b + c) * sigmoid(a) on CUDA: shapes, layouts, float/double/half" *
             doctest::skip(no_cuda_tensors())) {
     at::manual_seed(1);
-    for (auto dtype : {at::kFloat, at::kDouble, at::kHalf}) {
-      const std::string dtype_name = c10::toString(dtype);
-      CAPTURE(dtype_name);
+    for_gpu_dtypes([&](at::ScalarType dtype) {
       auto o = on_gpu(dtype);
       check_group_cuda(tanh_sigmoid_group, {at::randn({1000}, o), at::randn({1000}, o), at::randn({1000}, o)});
       check_group_cuda(tanh_sigmoid_group, {at::randn({1 << 20}, o), at::randn({1 << 20}, o), at::randn({1 << 20}, o)});
@@ -101,33 +109,29 @@ TEST_SUITE("gpu") {
       check_group_cuda(tanh_sigmoid_group, {at::randn({}, o), at::randn({}, o), at::randn({}, o)});
       check_group_cuda(tanh_sigmoid_group, {at::randn({0, 4}, o), at::randn({4}, o), at::randn({0, 4}, o)});
       check_group_cuda(tanh_sigmoid_group, {at::randn({}, o), at::randn({3}, o), at::randn({}, o)});
-    }
+    });
   }
 
   TEST_CASE("fused special values on CUDA: NaN-propagating max/min/clamp/relu, saturating tanh/sigmoid" *
             doctest::skip(no_cuda_tensors())) {
     const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
     const std::vector<double> vals = {nan, inf, -inf, 0.0, -0.0, 1.0, -2.5, 50, -50, -100, 3e38, 1e-30};
-    for (auto dtype : {at::kFloat, at::kDouble, at::kHalf}) {
-      const std::string dtype_name = c10::toString(dtype);
-      CAPTURE(dtype_name);
+    for_gpu_dtypes([&](at::ScalarType dtype) {
       auto x = at::tensor(vals, at::TensorOptions().dtype(at::kDouble)).to(on_gpu(dtype));
       auto y = x.flip({0});
       check_group_cuda(special_values_group, {x, y});
       check_group_cuda(special_values_group, {y, x});
-    }
+    });
   }
 
   TEST_CASE("fused predicates on CUDA: bool outputs, where/masked_fill, pow, sign, threshold" *
             doctest::skip(no_cuda_tensors())) {
     at::manual_seed(2);
-    for (auto dtype : {at::kFloat, at::kDouble, at::kHalf}) {
-      const std::string dtype_name = c10::toString(dtype);
-      CAPTURE(dtype_name);
+    for_gpu_dtypes([&](at::ScalarType dtype) {
       auto o = on_gpu(dtype);
       check_group_cuda(predicates_group, {at::randn({6, 5}, o), at::randn({5}, o)});
       check_group_cuda(predicates_group, {at::rand({6, 5}, o), at::randn({5}, o)});
-    }
+    });
   }
 
   TEST_CASE("fused activations on CUDA: gelu (both forms), erf, silu, softplus, elu, leaky_relu" *

@@ -244,6 +244,18 @@ class Workload {
   /// The tensor number of the next listed tensor.
   int64_t next_t() const { return int64_t(weights_.size() + listed_); }
   void count_listed(int64_t n = 1) { listed_ += std::size_t(n); }
+  /// The data of the PDE workloads, each listed: X [n, 2] (grad), then with `boundary`
+  /// X_b [n_b, 2] and g_b [n_b, 1].
+  void add_pde_data(at::ScalarType dtype, int64_t n, int64_t n_b, bool boundary) {
+    add_data(formula({n, 2}, 1, next_t(), dtype), true);
+    count_listed();
+    if (boundary) {
+      add_data(formula({n_b, 2}, 1, next_t(), dtype));
+      count_listed();
+      add_data(formula({n_b, 1}, 1, next_t(), dtype));
+      count_listed();
+    }
+  }
 
   std::string layers_string() const {
     std::string s;
@@ -296,6 +308,21 @@ class WorkloadOf : public Workload {
 
 inline constexpr double kBurgersNu = 0.01 / 3.14159265358979323846;
 
+/// u = net(x) of a PDE workload and its derivatives u_t, u_x (columns 0 and 1 of x), u_xx.
+template <class V>
+struct PdeTerms {
+  V u, u_t, u_x, u_xx;
+};
+template <class V, class Net>
+PdeTerms<V> pde_terms(const Net& net, const std::vector<V>& w, const V& x) {
+  const V u = net(x, w);
+  const V du = sum_grad(u, x);
+  const V u_t = narrow(du, 1, 0, 1);
+  const V u_x = narrow(du, 1, 1, 1);
+  const V u_xx = narrow(sum_grad(u_x, x), 1, 1, 1);
+  return {u, u_t, u_x, u_xx};
+}
+
 /// burgers, burgers_residual: f = u_t + u u_x - nu u_xx; mean(f^2) [+ mean((u_b - g_b)^2)].
 /// Data: X [N, 2] (grad), X_b [N_b, 2], g_b [N_b, 1] (X only without the boundary term).
 class Burgers : public WorkloadOf<Burgers> {
@@ -304,14 +331,7 @@ class Burgers : public WorkloadOf<Burgers> {
       : WorkloadOf(boundary ? "burgers" : "burgers_residual", dtype, 3, Activation::Tanh,
                    mlp_layers(2, small && boundary ? 8 : 20, 8, 1)),
         boundary_(boundary), n_(small ? 64 : 10000), n_b_(small ? 8 : 100) {
-    add_data(formula({n_, 2}, 1, next_t(), dtype), true);
-    count_listed();
-    if (boundary_) {
-      add_data(formula({n_b_, 2}, 1, next_t(), dtype));
-      count_listed();
-      add_data(formula({n_b_, 1}, 1, next_t(), dtype));
-      count_listed();
-    }
+    add_pde_data(dtype, n_, n_b_, boundary_);
   }
   std::string describe() const override {
     return layers_string() + ", N " + std::to_string(n_) + (boundary_ ? " + " + std::to_string(n_b_) : "");
@@ -319,11 +339,7 @@ class Burgers : public WorkloadOf<Burgers> {
   template <class V, class Net>
   V loss(const Net& net, const std::vector<V>& w, const std::vector<V>& d) const {
     const V& x = d[0];
-    const V u = net(x, w);
-    const V du = sum_grad(u, x);
-    const V u_t = narrow(du, 1, 0, 1);
-    const V u_x = narrow(du, 1, 1, 1);
-    const V u_xx = narrow(sum_grad(u_x, x), 1, 1, 1);
+    const auto [u, u_t, u_x, u_xx] = pde_terms(net, w, x);
     const V f = u_t + u * u_x - u_xx * kBurgersNu;
     V l = mean(f * f);
     if (boundary_) {
@@ -344,12 +360,7 @@ class Kdv : public WorkloadOf<Kdv> {
   Kdv(at::ScalarType dtype, bool small)
       : WorkloadOf("kdv", dtype, 4, Activation::Tanh, mlp_layers(2, small ? 8 : 32, 4, 1)),
         n_(small ? 64 : 4000), n_b_(small ? 8 : 100) {
-    add_data(formula({n_, 2}, 1, next_t(), dtype), true);
-    count_listed();
-    add_data(formula({n_b_, 2}, 1, next_t(), dtype));
-    count_listed();
-    add_data(formula({n_b_, 1}, 1, next_t(), dtype));
-    count_listed();
+    add_pde_data(dtype, n_, n_b_, true);
   }
   std::string describe() const override {
     return layers_string() + ", N " + std::to_string(n_) + " + " + std::to_string(n_b_);
@@ -357,11 +368,7 @@ class Kdv : public WorkloadOf<Kdv> {
   template <class V, class Net>
   V loss(const Net& net, const std::vector<V>& w, const std::vector<V>& d) const {
     const V& x = d[0];
-    const V u = net(x, w);
-    const V du = sum_grad(u, x);
-    const V u_t = narrow(du, 1, 0, 1);
-    const V u_x = narrow(du, 1, 1, 1);
-    const V u_xx = narrow(sum_grad(u_x, x), 1, 1, 1);
+    const auto [u, u_t, u_x, u_xx] = pde_terms(net, w, x);
     const V u_xxx = narrow(sum_grad(u_xx, x), 1, 1, 1);
     const V f = u_t + 6.0 * u * u_x + u_xxx;
     const V e = net(d[1], w) - d[2];
