@@ -11,6 +11,14 @@
 #include <stagejit/autograd/grad-inl.hpp>
 #include <stagejit/autograd/host_function-inl.hpp>
 #include <stagejit/autograd/eval-inl.hpp>
+#include <stagejit/ops/attribute_readers-inl.hpp>
+#include <stagejit/ops/op_table-inl.hpp>
+#include <stagejit/ops/nn-inl.hpp>
+#include <stagejit/ops/tensor_ops-inl.hpp>
 #include <stagejit/ops/ops-inl.hpp>
 #include <stagejit/ops/small_gemm-inl.hpp>
 #include <stagejit/closure/compile-inl.hpp>
+
+// The macros of ops/detail/ops_impl.hpp stay inside the bodies.
+#undef SJ_UNARY
+#undef SJ_OP
