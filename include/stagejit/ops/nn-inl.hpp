@@ -8,6 +8,7 @@
 /// inline in every translation unit of a header-only build.
 #include <stagejit/core/config.hpp>
 #include <stagejit/ops/detail/ops_impl.hpp>
+#include <stagejit/autograd/trace_hook.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/ops/nn.hpp>
 #include <stagejit/ops/op_def.hpp>

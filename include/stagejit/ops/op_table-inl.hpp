@@ -10,6 +10,7 @@
 /// Function bodies (core/config.hpp): compiled once in src/compiled_bodies.cpp, or
 /// inline in every translation unit of a header-only build.
 #include <stagejit/core/config.hpp>
+#include <stagejit/ops/detail/ops_impl.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
@@ -30,7 +31,6 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
-#include <stagejit/ops/detail/ops_impl.hpp>
 
 namespace stagejit {
 namespace detail::ops_impl {

@@ -15,6 +15,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <string>
