@@ -45,6 +45,9 @@ Variable run1(const OpDef& d, variable_list in, const Attributes& attrs = {});
 // (build_table, ops/op_table-inl.hpp): ops/nn-inl.hpp (convolution, pooling, normalisation, gather, scatter_add) and
 // ops/tensor_ops-inl.hpp (activations, embeddings and indexing, batched products, shapes,
 // reductions, losses, dropout).
+// build_table instantiates them with its local `def` lambda, so their definitions must be
+// in the translation unit of op_table-inl.hpp: core/detail/bodies.hpp includes the three
+// (op_table-inl.hpp alone does not compile).
 template <class Def> void define_nn_ops(Def& def);
 template <class Def> void define_tensor_ops(Def& def);
 
