@@ -42,9 +42,9 @@ Variable zeros_of(std::vector<int64_t> size, const at::TensorOptions& o);
 Variable run1(const OpDef& d, variable_list in, const Attributes& attrs = {});
 
 // The ops for models, each group in its own file, add their entries to the table
-// (build_table, ops/op_table-inl.hpp): ops/nn-inl.hpp (convolution, pooling, normalisation, gather, scatter_add) and
-// ops/tensor_ops-inl.hpp (activations, embeddings and indexing, batched products, shapes,
-// reductions, losses, dropout).
+// (build_table, ops/op_table-inl.hpp): ops/nn-inl.hpp (convolution, pooling,
+// normalisation, gather, scatter_add) and ops/tensor_ops-inl.hpp (activations,
+// embeddings and indexing, batched products, shapes, reductions, losses, dropout).
 // build_table instantiates them with its local `def` lambda, so their definitions must be
 // in the translation unit of op_table-inl.hpp: core/detail/bodies.hpp includes the three
 // (op_table-inl.hpp alone does not compile).
