@@ -1,5 +1,5 @@
 // Post-accumulate-grad hooks on leaves and early outputs (Note [Post-accumulate-grad
-// hooks] in autograd/autograd-inl.hpp, Note [Early outputs] in autograd/engine.hpp): what
+// hooks] in autograd/function-inl.hpp, Note [Early outputs] in autograd/engine.hpp): what
 // data-parallel training builds on.
 #include "oracle.hpp"
 

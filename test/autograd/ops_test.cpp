@@ -289,7 +289,7 @@ TEST_SUITE("autograd") {
     oracle::check("clamp nan", {a}, {true}, [](const VL& x) { return VL{sj::clamp(x[0], -1.0, 1.0)}; },
                   [](const TL& x) { return TL{x[0].clamp(-1.0, 1.0)}; }, 1);
     // At the bounds themselves the gradient follows the libtorch built against (it passes
-    // up to 2.13, not from 2.14 on: ops/ops-inl.hpp).
+    // up to 2.13, not from 2.14 on: ops/op_table-inl.hpp).
     const at::Tensor edges = at::tensor({-1.0, 1.0, -0.5, 2.0, -2.0}, at::kDouble);
     oracle::check("clamp at its bounds", {edges}, {true}, [](const VL& x) { return VL{sj::clamp(x[0], -1.0, 1.0)}; },
                   [](const TL& x) { return TL{x[0].clamp(-1.0, 1.0)}; }, 1);

@@ -148,7 +148,7 @@ struct Function : std::enable_shared_from_this<Function> {
         sequence_nr(next_sequence_nr()) {}
   /// Hands the Functions it owns (next_functions, and those an Eval or EvalOutput
   /// holds) to `detail::release_function`, so a chain of any length is freed
-  /// without recursion (Note [Iterative release] in autograd/autograd-inl.hpp).
+  /// without recursion (Note [Iterative release] in autograd/function-inl.hpp).
   ~Function();
   Function(const Function&) = delete;
   Function& operator=(const Function&) = delete;

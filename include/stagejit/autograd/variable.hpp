@@ -98,7 +98,7 @@ class Variable {
   /// Registers `hook` to run each time a backward has accumulated a gradient into this
   /// leaf's `grad()` (after the sum, on the engine thread that ran the leaf's
   /// AccumulateGrad, possibly while the rest of the backward, a compiled stage included,
-  /// still runs: Note [Post-accumulate-grad hooks] in autograd/autograd-inl.hpp). Hooks run
+  /// still runs: Note [Post-accumulate-grad hooks] in autograd/function-inl.hpp). Hooks run
   /// in registration order; an exception from one fails the backward like an error of the
   /// AccumulateGrad. Not run by `grad()` (which accumulates nothing). Follows libtorch's
   /// `Tensor::register_post_accumulate_grad_hook`. Returns a handle for

@@ -12,7 +12,7 @@
 ///   `allocate` with `STAGEJIT_ALLOCATE_CONST` and add `STAGEJIT_ALLOCATOR_COPY_DATA`
 ///   (`default_copy_data`, a plain memcpy, as c10's CPU allocator does) to their body.
 /// - Behaviour that changed, followed where the op lives: `clamp`'s gradient at a bound
-///   (0 from 2.14, 1 before: ops/ops-inl.hpp); CPU `mm` in Half (refused by 1.13,
+///   (0 from 2.14, 1 before: ops/op_table-inl.hpp); CPU `mm` in Half (refused by 1.13,
 ///   computed by 2.x: a test expectation only).
 
 #include <stagejit/core/detail/bodies_begin.hpp>

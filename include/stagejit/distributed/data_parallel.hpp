@@ -10,7 +10,7 @@
 ///   `first_bucket_cap_mb`, then `bucket_cap_mb`, one dtype per bucket);
 /// - a bucket is all-reduced (average) as soon as the running backward has accumulated all
 ///   of its gradients (post-accumulate-grad hooks: Note [Post-accumulate-grad hooks] in
-///   autograd/autograd-inl.hpp; a compiled stage hands its outputs over as it computes
+///   autograd/function-inl.hpp; a compiled stage hands its outputs over as it computes
 ///   them: Note [Early outputs] in autograd/engine.hpp), so communication overlaps the
 ///   rest of the backward, eager or compiled, first and higher-order stages alike; buckets
 ///   are started in bucket order on every rank;

@@ -2,8 +2,19 @@
 /// \file
 /// Bodies of ops/nn.hpp: the table entries (forward through ATen, backward formulas in
 /// stagejit ops following libtorch 1.13's derivatives.yaml) and the free functions.
-/// Included at the end of ops/ops-inl.hpp.
-#include <stagejit/ops/ops-inl.hpp>
+/// Its entries join the table in build_table (ops/op_table-inl.hpp).
+///
+/// Function bodies (core/config.hpp): compiled once in src/compiled_bodies.cpp, or
+/// inline in every translation unit of a header-only build.
+#include <stagejit/core/config.hpp>
+#include <stagejit/ops/detail/ops_impl.hpp>
+#include <stagejit/autograd/trace_hook.hpp>
+#include <stagejit/core/error.hpp>
+#include <stagejit/ops/nn.hpp>
+#include <stagejit/ops/op_def.hpp>
+#include <stagejit/ops/ops.hpp>
+
+#include <ATen/ATen.h>
 
 #include <c10/util/intrusive_ptr.h>
 
@@ -589,34 +600,33 @@ STAGEJIT_FUNC Attributes pool_attrs(std::string_view name, const Variable& input
 }
 
 }  // namespace detail::ops_impl
-using namespace detail::ops_impl;
 
 // ------------------------------------------------------------------ free functions
 STAGEJIT_FUNC Variable conv1d(const Variable& input, const Variable& weight, const Variable& bias,
                               std::vector<int64_t> stride, std::vector<int64_t> padding,
                               std::vector<int64_t> dilation, int64_t groups) {
-  return conv_nd("conv1d", 1, input, weight, bias, std::move(stride), std::move(padding), std::move(dilation),
+  return detail::ops_impl::conv_nd("conv1d", 1, input, weight, bias, std::move(stride), std::move(padding), std::move(dilation),
                  false, {0}, groups);
 }
 STAGEJIT_FUNC Variable conv2d(const Variable& input, const Variable& weight, const Variable& bias,
                               std::vector<int64_t> stride, std::vector<int64_t> padding,
                               std::vector<int64_t> dilation, int64_t groups) {
-  return conv_nd("conv2d", 2, input, weight, bias, std::move(stride), std::move(padding), std::move(dilation),
+  return detail::ops_impl::conv_nd("conv2d", 2, input, weight, bias, std::move(stride), std::move(padding), std::move(dilation),
                  false, {0}, groups);
 }
 STAGEJIT_FUNC Variable conv_transpose2d(const Variable& input, const Variable& weight, const Variable& bias,
                                         std::vector<int64_t> stride, std::vector<int64_t> padding,
                                         std::vector<int64_t> output_padding, int64_t groups,
                                         std::vector<int64_t> dilation) {
-  return conv_nd("conv_transpose2d", 2, input, weight, bias, std::move(stride), std::move(padding),
+  return detail::ops_impl::conv_nd("conv_transpose2d", 2, input, weight, bias, std::move(stride), std::move(padding),
                  std::move(dilation), true, std::move(output_padding), groups);
 }
 STAGEJIT_FUNC Variable max_pool2d(const Variable& input, std::vector<int64_t> kernel_size,
                                   std::vector<int64_t> stride, std::vector<int64_t> padding,
                                   std::vector<int64_t> dilation, bool ceil_mode) {
   SJ_OP(max_pool2d_with_indices);
-  Attributes attrs = pool_attrs("max_pool2d", input, std::move(kernel_size), std::move(stride), std::move(padding));
-  dilation = spatial_list("max_pool2d", "dilation", std::move(dilation), 2);
+  Attributes attrs = detail::ops_impl::pool_attrs("max_pool2d", input, std::move(kernel_size), std::move(stride), std::move(padding));
+  dilation = detail::ops_impl::spatial_list("max_pool2d", "dilation", std::move(dilation), 2);
   STAGEJIT_CHECK_AS(ShapeError, dilation[0] > 0 && dilation[1] > 0, "max_pool2d: dilation must be positive, got ",
                     dilation[0], " and ", dilation[1]);
   attrs.emplace_back("dilation", std::move(dilation));
@@ -626,12 +636,12 @@ STAGEJIT_FUNC Variable max_pool2d(const Variable& input, std::vector<int64_t> ke
 STAGEJIT_FUNC Variable avg_pool2d(const Variable& input, std::vector<int64_t> kernel_size,
                                   std::vector<int64_t> stride, std::vector<int64_t> padding) {
   SJ_OP(avg_pool2d);
-  return run1(d, {input}, pool_attrs("avg_pool2d", input, std::move(kernel_size), std::move(stride), std::move(padding)));
+  return detail::ops_impl::run1(d, {input}, detail::ops_impl::pool_attrs("avg_pool2d", input, std::move(kernel_size), std::move(stride), std::move(padding)));
 }
 STAGEJIT_FUNC Variable adaptive_avg_pool2d(const Variable& input, std::vector<int64_t> output_size) {
   SJ_OP(adaptive_avg_pool2d);
-  output_size = spatial_list("adaptive_avg_pool2d", "output_size", std::move(output_size), 2);
-  return run1(d, {input}, {{"output_size", std::move(output_size)}});
+  output_size = detail::ops_impl::spatial_list("adaptive_avg_pool2d", "output_size", std::move(output_size), 2);
+  return detail::ops_impl::run1(d, {input}, {{"output_size", std::move(output_size)}});
 }
 STAGEJIT_FUNC Variable batch_norm(const Variable& input, const Variable& weight, const Variable& bias,
                                   at::Tensor running_mean, at::Tensor running_var, bool training,
@@ -652,18 +662,18 @@ STAGEJIT_FUNC Variable batch_norm(const Variable& input, const Variable& weight,
   STAGEJIT_CHECK(training || (running_mean.defined() && running_var.defined()),
                  "batch_norm: evaluation mode (training = false) needs running_mean and running_var");
   Attributes attrs{{"training", training}, {"momentum", momentum}, {"eps", eps}};
-  for (auto& kv : norm_flags(weight, bias)) attrs.push_back(std::move(kv));
-  if (running_mean.defined()) attrs.emplace_back("running_mean", live_buffer_id(running_mean));
-  if (running_var.defined()) attrs.emplace_back("running_var", live_buffer_id(running_var));
-  return ops::apply(d, with_affine(input, weight, bias), attrs)[0];
+  for (auto& kv : detail::ops_impl::norm_flags(weight, bias)) attrs.push_back(std::move(kv));
+  if (running_mean.defined()) attrs.emplace_back("running_mean", detail::ops_impl::live_buffer_id(running_mean));
+  if (running_var.defined()) attrs.emplace_back("running_var", detail::ops_impl::live_buffer_id(running_var));
+  return ops::apply(d, detail::ops_impl::with_affine(input, weight, bias), attrs)[0];
 }
 STAGEJIT_FUNC Variable layer_norm(const Variable& input, std::vector<int64_t> normalized_shape,
                                   const Variable& weight, const Variable& bias, double eps) {
   SJ_OP(native_layer_norm);
   STAGEJIT_CHECK(input.defined(), "layer_norm: input must be defined");
   Attributes attrs{{"normalized_shape", std::move(normalized_shape)}, {"eps", eps}};
-  for (auto& kv : norm_flags(weight, bias)) attrs.push_back(std::move(kv));
-  return ops::apply(d, with_affine(input, weight, bias), attrs)[0];
+  for (auto& kv : detail::ops_impl::norm_flags(weight, bias)) attrs.push_back(std::move(kv));
+  return ops::apply(d, detail::ops_impl::with_affine(input, weight, bias), attrs)[0];
 }
 STAGEJIT_FUNC Variable group_norm(const Variable& input, int64_t num_groups, const Variable& weight,
                                   const Variable& bias, double eps) {
@@ -674,14 +684,14 @@ STAGEJIT_FUNC Variable group_norm(const Variable& input, int64_t num_groups, con
   STAGEJIT_CHECK_AS(ShapeError, num_groups > 0 && input.sizes()[1] % num_groups == 0, "group_norm: ",
                     input.sizes()[1], " channels cannot be split into ", num_groups, " groups");
   Attributes attrs{{"num_groups", num_groups}, {"eps", eps}};
-  for (auto& kv : norm_flags(weight, bias)) attrs.push_back(std::move(kv));
-  return ops::apply(d, with_affine(input, weight, bias), attrs)[0];
+  for (auto& kv : detail::ops_impl::norm_flags(weight, bias)) attrs.push_back(std::move(kv));
+  return ops::apply(d, detail::ops_impl::with_affine(input, weight, bias), attrs)[0];
 }
 STAGEJIT_FUNC Variable gather(const Variable& input, int64_t dim, const Variable& index) {
-  return gather_op(input, dim, index);
+  return detail::ops_impl::gather_op(input, dim, index);
 }
 STAGEJIT_FUNC Variable scatter_add(const Variable& input, int64_t dim, const Variable& index, const Variable& src) {
-  return scatter_add_op(input, dim, index, src);
+  return detail::ops_impl::scatter_add_op(input, dim, index, src);
 }
 
 }  // namespace stagejit

@@ -192,23 +192,22 @@ bool raw_entry(const T* a, int64_t a_s0, int64_t a_s1, const T* b, int64_t b_s0,
 }
 
 }  // namespace detail::small_gemm_impl
-using namespace detail::small_gemm_impl;
 
 STAGEJIT_FUNC bool small_mm_raw(const float* a, int64_t a_s0, int64_t a_s1, const float* b, int64_t b_s0,
                                 int64_t b_s1, float* c, int64_t ldc, int64_t M, int64_t K, int64_t N,
                                 bool accumulate) noexcept {
-  return raw_entry<float>(a, a_s0, a_s1, b, b_s0, b_s1, c, ldc, M, K, N, accumulate);
+  return detail::small_gemm_impl::raw_entry<float>(a, a_s0, a_s1, b, b_s0, b_s1, c, ldc, M, K, N, accumulate);
 }
 
 STAGEJIT_FUNC bool small_mm_raw(const double* a, int64_t a_s0, int64_t a_s1, const double* b, int64_t b_s0,
                                 int64_t b_s1, double* c, int64_t ldc, int64_t M, int64_t K, int64_t N,
                                 bool accumulate) noexcept {
-  return raw_entry<double>(a, a_s0, a_s1, b, b_s0, b_s1, c, ldc, M, K, N, accumulate);
+  return detail::small_gemm_impl::raw_entry<double>(a, a_s0, a_s1, b, b_s0, b_s1, c, ldc, M, K, N, accumulate);
 }
 
 STAGEJIT_FUNC bool small_mm_enabled() noexcept {
 #if defined(STAGEJIT_HAVE_LIBXSMM)
-  return enabled_by_environment();
+  return detail::small_gemm_impl::enabled_by_environment();
 #else
   return false;
 #endif
@@ -216,21 +215,21 @@ STAGEJIT_FUNC bool small_mm_enabled() noexcept {
 
 STAGEJIT_FUNC std::optional<at::Tensor> small_mm(const at::Tensor& a, const at::Tensor& b) {
 #if defined(STAGEJIT_HAVE_LIBXSMM)
-  if (!enabled_by_environment()) return std::nullopt;
+  if (!detail::small_gemm_impl::enabled_by_environment()) return std::nullopt;
   if (!a.defined() || !b.defined() || a.layout() != at::kStrided || b.layout() != at::kStrided ||
       !a.has_storage() || !b.has_storage() || a._is_zerotensor() || b._is_zerotensor() ||
       a.dim() != 2 || b.dim() != 2 || !a.device().is_cpu() ||
       !b.device().is_cpu() || a.scalar_type() != b.scalar_type() || a.size(1) != b.size(0) ||
       a.requires_grad() || b.requires_grad() || a.is_conj() || b.is_conj() || a.is_neg() || b.is_neg())
     return std::nullopt;
-  if (a.numel() == 0 || b.numel() == 0 || !thin_product(a, b)) return std::nullopt;
+  if (a.numel() == 0 || b.numel() == 0 || !detail::small_gemm_impl::thin_product(a, b)) return std::nullopt;
   if (a.scalar_type() != at::kFloat && a.scalar_type() != at::kDouble) return std::nullopt;
   // Seen by ATen's profilers and RecordFunction callbacks (bench/pinn's GEMM share) as
   // one product, like aten::mm.
   RECORD_FUNCTION("stagejit::small_mm", std::vector<c10::IValue>({a, b}));
   switch (a.scalar_type()) {
-    case at::kFloat: return run<float>(a, b);
-    case at::kDouble: return run<double>(a, b);
+    case at::kFloat: return detail::small_gemm_impl::run<float>(a, b);
+    case at::kDouble: return detail::small_gemm_impl::run<double>(a, b);
     default: return std::nullopt;
   }
 #else

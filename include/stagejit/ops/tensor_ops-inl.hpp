@@ -2,9 +2,20 @@
 /// \file
 /// Bodies of ops/tensor_ops.hpp: the table entries (forward through ATen, backward formulas in
 /// stagejit ops following libtorch 1.13's derivatives.yaml) and the free functions.
-/// Included at the end of ops/ops-inl.hpp.
-#include <stagejit/ops/ops-inl.hpp>
+/// Its entries join the table in build_table (ops/op_table-inl.hpp).
+///
+/// Function bodies (core/config.hpp): compiled once in src/compiled_bodies.cpp, or
+/// inline in every translation unit of a header-only build.
+#include <stagejit/core/config.hpp>
+#include <stagejit/ops/detail/ops_impl.hpp>
+#include <stagejit/core/error.hpp>
+#include <stagejit/ops/op_def.hpp>
+#include <stagejit/ops/ops.hpp>
+#include <stagejit/ops/tensor_ops.hpp>
 
+#include <ATen/ATen.h>
+
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <string>
@@ -242,60 +253,59 @@ void define_tensor_ops(Def& def) {
 }
 
 }  // namespace detail::ops_impl
-using namespace detail::ops_impl;
 
 // ------------------------------------------------------------------ free functions
 STAGEJIT_FUNC Variable gelu(const Variable& input, std::string approximate) {
   SJ_OP(gelu);
-  if (approximate == "none") return run1(d, {input});
-  return run1(d, {input}, {{"approximate", std::move(approximate)}});
+  if (approximate == "none") return detail::ops_impl::run1(d, {input});
+  return detail::ops_impl::run1(d, {input}, {{"approximate", std::move(approximate)}});
 }
-STAGEJIT_FUNC Variable erf(const Variable& input) { SJ_OP(erf); return run1(d, {input}); }
-STAGEJIT_FUNC Variable silu(const Variable& input) { SJ_OP(silu); return run1(d, {input}); }
+STAGEJIT_FUNC Variable erf(const Variable& input) { SJ_OP(erf); return detail::ops_impl::run1(d, {input}); }
+STAGEJIT_FUNC Variable silu(const Variable& input) { SJ_OP(silu); return detail::ops_impl::run1(d, {input}); }
 STAGEJIT_FUNC Variable softplus(const Variable& input, double beta, double threshold) {
   SJ_OP(softplus);
-  return run1(d, {input}, {{"beta", beta}, {"threshold", threshold}});
+  return detail::ops_impl::run1(d, {input}, {{"beta", beta}, {"threshold", threshold}});
 }
-STAGEJIT_FUNC Variable elu(const Variable& input, double alpha) { SJ_OP(elu); return run1(d, {input}, {{"alpha", alpha}}); }
+STAGEJIT_FUNC Variable elu(const Variable& input, double alpha) { SJ_OP(elu); return detail::ops_impl::run1(d, {input}, {{"alpha", alpha}}); }
 STAGEJIT_FUNC Variable leaky_relu(const Variable& input, double negative_slope) {
   SJ_OP(leaky_relu);
-  return run1(d, {input}, {{"negative_slope", negative_slope}});
+  return detail::ops_impl::run1(d, {input}, {{"negative_slope", negative_slope}});
 }
 STAGEJIT_FUNC Variable logsumexp(const Variable& input, std::vector<int64_t> dims, bool keepdim) {
   SJ_OP(logsumexp);
-  return run1(d, {input}, {{"dim", std::move(dims)}, {"keepdim", keepdim}});
+  return detail::ops_impl::run1(d, {input}, {{"dim", std::move(dims)}, {"keepdim", keepdim}});
 }
 STAGEJIT_FUNC Variable embedding(const Variable& weight, const Variable& indices) {
   SJ_OP(embedding);
-  return run1(d, {weight, indices});
+  return detail::ops_impl::run1(d, {weight, indices});
 }
 STAGEJIT_FUNC Variable index_select(const Variable& input, int64_t dim, const Variable& index) {
   SJ_OP(index_select);
-  return run1(d, {input, index}, {{"dim", dim}});
+  return detail::ops_impl::run1(d, {input, index}, {{"dim", dim}});
 }
 STAGEJIT_FUNC Variable index_add(const Variable& input, int64_t dim, const Variable& index, const Variable& source) {
   SJ_OP(index_add);
-  return run1(d, {input, index, source}, {{"dim", dim}});
+  return detail::ops_impl::run1(d, {input, index, source}, {{"dim", dim}});
 }
 STAGEJIT_FUNC Variable permute(const Variable& input, std::vector<int64_t> dims) {
   SJ_OP(permute);
-  return run1(d, {input}, {{"dims", std::move(dims)}});
+  return detail::ops_impl::run1(d, {input}, {{"dims", std::move(dims)}});
 }
 STAGEJIT_FUNC Variable flatten(const Variable& input, int64_t start_dim, int64_t end_dim) {
   SJ_OP(flatten);
-  return run1(d, {input}, {{"start_dim", start_dim}, {"end_dim", end_dim}});
+  return detail::ops_impl::run1(d, {input}, {{"start_dim", start_dim}, {"end_dim", end_dim}});
 }
-STAGEJIT_FUNC Variable bmm(const Variable& a, const Variable& b) { SJ_OP(bmm); return run1(d, {a, b}); }
+STAGEJIT_FUNC Variable bmm(const Variable& a, const Variable& b) { SJ_OP(bmm); return detail::ops_impl::run1(d, {a, b}); }
 STAGEJIT_FUNC Variable var(const Variable& input, std::vector<int64_t> dims, bool unbiased, bool keepdim) {
   SJ_OP(var);
-  return run1(d, {input}, {{"dim", std::move(dims)}, {"unbiased", unbiased}, {"keepdim", keepdim}});
+  return detail::ops_impl::run1(d, {input}, {{"dim", std::move(dims)}, {"unbiased", unbiased}, {"keepdim", keepdim}});
 }
 STAGEJIT_FUNC Variable binary_cross_entropy_with_logits(const Variable& input, const Variable& target) {
   SJ_OP(binary_cross_entropy_with_logits);
-  return run1(d, {input, target});
+  return detail::ops_impl::run1(d, {input, target});
 }
 STAGEJIT_FUNC Variable dropout(const Variable& input, double p, bool train) {
-  check_dropout_p(p);
+  detail::ops_impl::check_dropout_p(p);
   STAGEJIT_CHECK(input.defined(), "op 'dropout': input 0 is undefined");
   if (!train || p == 0 || input.data().numel() == 0) return input;  // ATen's identity cases
   SJ_OP(dropout);

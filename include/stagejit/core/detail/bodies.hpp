@@ -2,7 +2,23 @@
 // The function bodies of a header-only build (core/config.hpp), included once per
 // translation unit by bodies_end.hpp; the compiled build includes them in
 // src/compiled_bodies.cpp instead.
-#include <stagejit/autograd/autograd-inl.hpp>
+#include <stagejit/autograd/grad_mode-inl.hpp>
+#include <stagejit/autograd/trace_hook-inl.hpp>
+#include <stagejit/autograd/variable-inl.hpp>
+#include <stagejit/autograd/saved_variable-inl.hpp>
+#include <stagejit/autograd/function-inl.hpp>
+#include <stagejit/autograd/callbacks-inl.hpp>
+#include <stagejit/autograd/grad-inl.hpp>
+#include <stagejit/autograd/host_function-inl.hpp>
+#include <stagejit/autograd/eval-inl.hpp>
+#include <stagejit/ops/attribute_readers-inl.hpp>
+#include <stagejit/ops/op_table-inl.hpp>
+#include <stagejit/ops/nn-inl.hpp>
+#include <stagejit/ops/tensor_ops-inl.hpp>
 #include <stagejit/ops/ops-inl.hpp>
 #include <stagejit/ops/small_gemm-inl.hpp>
 #include <stagejit/closure/compile-inl.hpp>
+
+// The macros of ops/detail/ops_impl.hpp stay inside the bodies.
+#undef SJ_UNARY
+#undef SJ_OP
