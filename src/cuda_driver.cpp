@@ -139,7 +139,7 @@ void check_cu(const Driver& d, CUresult r, const char* what) {
   if (r == CUDA_SUCCESS) return;
   const char* text = nullptr;
   if (d.error_string) d.error_string(r, &text);
-  detail::throw_error<FusionError>("fusion: ", what, " failed: ", text ? text : "unknown CUDA error", " (", int(r),
+  ::stagejit::detail::throw_error<FusionError>("fusion: ", what, " failed: ", text ? text : "unknown CUDA error", " (", int(r),
                                    ")");
 }
 
@@ -231,7 +231,7 @@ std::string compile_to_ptx(const std::string& source, const std::string& arch, c
     log.resize(log_size - 1);
   }
   if (r != NVRTC_SUCCESS) {
-    detail::throw_error<FusionError>("fusion: NVRTC could not compile ", name, " for ", use_arch, ": ",
+    ::stagejit::detail::throw_error<FusionError>("fusion: NVRTC could not compile ", name, " for ", use_arch, ": ",
                                      n.error_string(r), "\n  NVRTC log:\n", log, "\n  source:\n", source);
   }
   std::size_t ptx_size = 0;
@@ -281,7 +281,7 @@ CudaDeviceInfo cuda_device_info(int device) {
 
 namespace cuda_driver {
 [[noreturn]] void no_cuda() {
-  detail::throw_error<FusionError>("fusion: stagejit was built without CUDA support (the `cuda` Meson feature found "
+  ::stagejit::detail::throw_error<FusionError>("fusion: stagejit was built without CUDA support (the `cuda` Meson feature found "
                                    "no toolkit)");
 }
 }  // namespace cuda_driver

@@ -158,7 +158,7 @@ class FileLock {
       if (errno != EINTR) {
         const int err = errno;
         ::close(fd_);
-        detail::throw_error<FusionError>("fusion: cannot lock ", path.string(), ": ", std::strerror(err));
+        ::stagejit::detail::throw_error<FusionError>("fusion: cannot lock ", path.string(), ": ", std::strerror(err));
       }
     }
   }
@@ -406,7 +406,7 @@ struct CpuBackend::Impl {
   const std::vector<std::string>& compiler() const {
     if (options.compiler.empty() || options.compiler[0].empty()) {
       const char* env = std::getenv("STAGEJIT_CXX");
-      detail::throw_error<FusionError>("fusion: no kernel compiler: ",
+      ::stagejit::detail::throw_error<FusionError>("fusion: no kernel compiler: ",
                                        env ? "$STAGEJIT_CXX is set to '" + std::string(env) + "', which names no command"
                                            : std::string("the backend's compiler command is empty"),
                                        " (set $STAGEJIT_CXX to a C++ compiler, or unset it for `c++`)");
@@ -614,7 +614,7 @@ struct CpuBackend::Impl {
       }
       BuildItem* it = items[0];
       try {
-        detail::throw_error<FusionError>("fusion: compiling kernel `", it->source.entry, "` (", it->source.key.to_string(),
+        ::stagejit::detail::throw_error<FusionError>("fusion: compiling kernel `", it->source.entry, "` (", it->source.key.to_string(),
                                          ") failed with exit status ", status, "\n  source: ", cpp.string(),
                                          "\n  command: ", last_command, "\n  compiler log (", log.string(), "):\n",
                                          read_file(log));
@@ -641,7 +641,7 @@ struct CpuBackend::Impl {
         auto k = try_load(it->source, it->hash, dir, &why);
         if (!k) {
           --corrupt;  // not a corrupt cache entry: the fresh build itself does not load
-          detail::throw_error<FusionError>("fusion: kernel `", it->source.entry, "` (", it->source.key.to_string(),
+          ::stagejit::detail::throw_error<FusionError>("fusion: kernel `", it->source.entry, "` (", it->source.key.to_string(),
                                            ") was compiled but cannot be loaded: ", why);
         }
         it->set(std::move(k));

@@ -165,13 +165,13 @@ struct CudaBackend::Impl {
     if (r != CUDA_SUCCESS) {
       const char* text = nullptr;
       d.error_string(r, &text);
-      detail::throw_error<FusionError>("fusion: loading the PTX of kernel `", src.entry, "` on cuda:", device,
+      ::stagejit::detail::throw_error<FusionError>("fusion: loading the PTX of kernel `", src.entry, "` on cuda:", device,
                                        " failed: ", text ? text : "unknown error", "\n", error_log);
     }
     const CUresult f = d.get_function(&impl->function, impl->module, src.entry.c_str());
     if (f != CUDA_SUCCESS) {
       d.module_unload(impl->module);
-      detail::throw_error<FusionError>("fusion: the module of kernel `", src.entry, "` has no entry point `",
+      ::stagejit::detail::throw_error<FusionError>("fusion: the module of kernel `", src.entry, "` has no entry point `",
                                        src.entry, "` (declare it extern \"C\" __global__)");
     }
     const int sms = device_attribute(d, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device);

@@ -84,7 +84,7 @@ struct OpCall {
   Attributes attrs;
 };
 /// Runs an ATen computation that is not a table op (IR Transpose / Reshape / Gemm nodes:
-/// their meaning is in ops/node_semantics.hpp). `name` is the node kind's name.
+/// their meaning is in ir/node_semantics.hpp). `name` is the node kind's name.
 struct AtenCall {
   std::string_view name;
   std::function<variable_list(const variable_list&)> fn;

@@ -298,7 +298,7 @@ inline KernelSource generate(const ir::Graph& subgraph, const std::vector<at::Te
 }
 
 /// Converts an op's IR attributes to the op table's core `Attributes` (numbers,
-/// strings, lists; trace/op_attributes.hpp). Throws FusionError naming the op for tensor
+/// strings, lists; ir/attributes.hpp). Throws FusionError naming the op for tensor
 /// or graph attributes.
 inline Attributes to_core_attributes(const ir::Op& op) {
   try {
