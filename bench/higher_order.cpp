@@ -97,7 +97,8 @@ bool run_workload(ho::Workload& w, int rounds, int warmup, Summary& sum) {
   // The kernels are built in the background while the first calls run op by op; the
   // timed rounds measure the compiled modes with them.
   sj::fusion::default_cpu_backend().wait_for_prefetches();
-  std::printf("  first call (trace + compile): staged %.0f ms, whole-loss %.0f ms\n", first_ms[0], first_ms[1]);
+  std::printf("  first call (trace + compile): staged %.0f ms, whole-loss %.0f ms; staged: cross-stage gradients in %zu of %zu specs\n",
+              first_ms[0], first_ms[1], w.compiled_net().stats().cross_stage_traces, w.compiled_net().stats().misses);
   bool ok = true;
   std::printf("  check (first round), max relative difference to libtorch (loss %.8e; loss and gradients):",
               first[kLibtorch].loss);

@@ -18,6 +18,7 @@
 // call only): the floor no compiler of this step removes.
 //
 // Options: --dtype float|double (default float), --collocation N (default 10 000),
+// --width W and --hidden H (the network 2-W x H-1; default the paper's 20 x 8),
 // --rounds R (default 20), --warmup W (default 3), --seed S, --first-call MODE (only the
 // first call of one compiled mode, in a fresh kernel cache, and where its time goes;
 // with --warm-cache, in the default cache folder).
@@ -35,6 +36,7 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -77,10 +79,19 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "Seeds the weights and the points")->capture_default_str();
   app.add_flag("--gemm-detail", gemm_detail, "In the profiled round, list each mode's products by "
                "operand shapes (time, count)");
-  bool cross_stage = false;
-  app.add_flag("--cross-stage-gradients", cross_stage,
-               "Staged compiled mode with CompileOptions::cross_stage_gradients (each backward stage "
-               "stops at the earlier stages' values and hands their gradients on; default off)");
+  std::string cross_stage_opt = "auto";
+  app.add_option("--cross-stage-gradients", cross_stage_opt,
+                 "Staged compiled mode's CompileOptions::cross_stage_gradients: on (each backward stage stops "
+                 "at the earlier stages' values and hands their gradients on), off, or auto (chosen when "
+                 "compiling: off when the backward stages run row-tiled regions)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off", "auto"}));
+  int64_t width = 20;
+  int hidden = 8;
+  app.add_option("--width", width, "Units per hidden layer (the paper's 20)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{4096}));
+  app.add_option("--hidden", hidden, "Hidden layers (the paper's 8)")->capture_default_str()->check(CLI::Range(1, 64));
   int64_t tile_rows = sj::CompileOptions{}.tile_rows;
   app.add_option("--tile-rows", tile_rows,
                  "Both compiled modes' CompileOptions::tile_rows: rows per tile of the row-tiled "
@@ -129,8 +140,13 @@ int main(int argc, char** argv) {
   const at::ScalarType dtype = dtype_name == "double" ? at::kDouble : at::kFloat;
   const ReferenceSolution ref = reference_solution();
   const TrainingData data = make_training_data(ref, 100, n_f, seed + 1).to(dtype);
-  const Params params = xavier_init(paper_layers(), seed, dtype);
+  std::vector<int64_t> layers{2};
+  for (int i = 0; i < hidden; ++i) layers.push_back(width);
+  layers.push_back(1);
+  const Params params = xavier_init(layers, seed, dtype);
 
+  const std::optional<bool> cross_stage =
+      cross_stage_opt == "auto" ? std::nullopt : std::optional<bool>(cross_stage_opt == "on");
   if (!first_call.empty()) {
     const bool staged = first_call == "staged";
     Stepper stepper(staged ? Mode::Compiled : Mode::CompileLoss, data, cross_stage, tile_rows, !no_remat);
@@ -156,14 +172,14 @@ int main(int argc, char** argv) {
   constexpr std::size_t kModes = 4;
   std::vector<std::unique_ptr<Stepper>> steppers;
   for (Mode m : modes) steppers.push_back(std::make_unique<Stepper>(m, data, cross_stage, tile_rows, !no_remat));
-  if (cross_stage) std::printf("staged compiled: cross-stage gradients on\n");
   std::printf("compiled modes: row-tiled regions %s; cross-stage rematerialisation %s\n",
               tile_rows > 0 ? (std::to_string(tile_rows) + " rows per tile").c_str() : "off",
               no_remat ? "off" : "on");
 
-  std::printf("Burgers PINN step (loss + gradients of %zu parameter tensors), network 2-20x8-1 tanh, "
+  std::printf("Burgers PINN step (loss + gradients of %zu parameter tensors), network 2-%lldx%d-1 tanh, "
               "N_u %lld, N_f %lld, %s; median of %d rounds after %d warm-up rounds\n",
-              params.size(), (long long)data.x_u.size(0), (long long)n_f, dtype_name.c_str(), rounds, warmup);
+              params.size(), (long long)width, hidden, (long long)data.x_u.size(0), (long long)n_f,
+              dtype_name.c_str(), rounds, warmup);
 
   // First round: the first call of each compiled mode (trace + compile), and the check.
   Params grads[kModes];
@@ -173,6 +189,9 @@ int main(int argc, char** argv) {
     first_ms[m] = sj::bench::once_ms([&] { loss[m] = steppers[m]->step(params, grads[m]); });
   std::printf("  first call (trace + compile): staged compiled %.0f ms, compile-loss %.0f ms\n", first_ms[0],
               first_ms[1]);
+  std::printf("  staged compiled: cross-stage gradients in %zu of %zu specs%s\n",
+              steppers[0]->compiled_net().stats().cross_stage_traces, steppers[0]->compiled_net().stats().misses,
+              cross_stage ? "" : " (chosen when compiling: CompileOptions::cross_stage_gradients unset)");
   // The compiled modes' kernels are built in the background while their first calls run
   // op by op (fusion::waits_for_kernels); the timed rounds measure them with kernels.
   sj::fusion::default_cpu_backend().wait_for_prefetches();

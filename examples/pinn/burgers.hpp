@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -303,11 +304,12 @@ inline const char* mode_name(Mode m) {
 class Stepper {
  public:
   /// `cross_stage_gradients`: the Compiled mode's `CompileOptions::cross_stage_gradients`
-  /// (bench/pinn --cross-stage-gradients measures what it brings); `tile_rows`: both
+  /// (unset: chosen when compiling; bench/pinn --cross-stage-gradients on|off measures what
+  /// it brings); `tile_rows`: both
   /// compiled modes' `CompileOptions::tile_rows` (0: no row-tiled regions; bench/pinn
   /// --tile-rows); `rematerialize`: both compiled modes' `CompileOptions::rematerialize`
   /// (bench/pinn --no-rematerialize).
-  Stepper(Mode mode, const TrainingData& data, bool cross_stage_gradients = false,
+  Stepper(Mode mode, const TrainingData& data, std::optional<bool> cross_stage_gradients = std::nullopt,
           int64_t tile_rows = sj::CompileOptions{}.tile_rows,
           bool rematerialize = sj::CompileOptions{}.rematerialize)
       : mode_(mode), data_(data),

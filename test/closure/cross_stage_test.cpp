@@ -70,7 +70,7 @@ TEST_CASE("cross-stage gradients: the later stages no longer differentiate the f
   sj::variable_list in;
   for (const auto& t : data) in.emplace_back(t, true);
   auto cut = sj::compile(mlp, {.derivatives = 3, .fuse = false, .cross_stage_gradients = true});
-  auto whole = sj::compile(mlp, {.derivatives = 3, .fuse = false});  // the default
+  auto whole = sj::compile(mlp, {.derivatives = 3, .fuse = false, .cross_stage_gradients = false});
   const auto& gc = *cut.graph_for(in);
   const auto& gw = *whole.graph_for(in);
   // Stages 2 and 3 hold fewer matrix products: they stop at the activations of stage 0
@@ -166,6 +166,47 @@ TEST_CASE("cross-stage gradients: pruned zero outputs keep the graph valid; off 
   }
   auto unused = sj::grad({sj::sum(g)}, {y}, {}, false, /*allow_unused=*/true);
   CHECK_FALSE(unused[0].defined());
+}
+
+// Note [Choosing cross-stage gradients] (closure/compile-inl.hpp): unset, the option is
+// chosen per input spec: off where a backward stage runs row-tiled regions (tall inputs,
+// narrow layers), on elsewhere; set, it is what was asked. Results equal libtorch's either way.
+TEST_CASE("cross-stage gradients: chosen per spec when the option is unset") {
+  at::manual_seed(13);
+  const auto small = mlp_data();
+  auto tall = mlp_data();
+  tall[0] = at::randn({4096, 2}, at::kDouble);
+  auto as_in = [](const std::vector<at::Tensor>& d) {
+    sj::variable_list in;
+    for (const auto& t : d) in.emplace_back(t, true);
+    return in;
+  };
+  auto net = sj::compile(mlp, {.derivatives = 3});
+  CHECK(net.closure_for(as_in(small))->cross_stage);
+  CHECK(net.stats().cross_stage_traces == 1);
+  if (sj::ops::small_mm_enabled()) {
+    CHECK_FALSE(net.closure_for(as_in(tall))->cross_stage);  // row-tiled: re-differentiating is cheaper
+  } else {
+    CHECK(net.closure_for(as_in(tall))->cross_stage);  // no LIBXSMM, no row-tiled regions
+  }
+  auto untiled = sj::compile(mlp, {.derivatives = 3, .tile_rows = 0});
+  CHECK(untiled.closure_for(as_in(tall))->cross_stage);
+  auto off = sj::compile(mlp, {.derivatives = 3, .cross_stage_gradients = false});
+  CHECK_FALSE(off.closure_for(as_in(small))->cross_stage);
+  CHECK(off.stats().cross_stage_traces == 0);
+  auto on = sj::compile(mlp, {.derivatives = 3, .cross_stage_gradients = true});
+  CHECK(on.closure_for(as_in(tall))->cross_stage);
+  // One derivative has no cross-stage gradients to hand on.
+  auto first = sj::compile(mlp, {.derivatives = 1});
+  CHECK_FALSE(first.closure_for(as_in(small))->cross_stage);
+  // Both choices give libtorch's step.
+  for (const std::vector<at::Tensor>* d : {&small, static_cast<const std::vector<at::Tensor>*>(&tall)}) {
+    const Step want = torch_step(*d);
+    const Step got = sj_step(net, *d);
+    CHECK(std::abs(got.loss - want.loss) <= 1e-12 * std::abs(want.loss));
+    for (std::size_t i = 0; i < want.grads.size(); ++i)
+      CHECK(max_abs_diff(got.grads[i], want.grads[i]) <= 1e-10 * (1 + want.grads[i].abs().max().item<double>()));
+  }
 }
 
 }  // TEST_SUITE

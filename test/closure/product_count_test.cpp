@@ -266,25 +266,37 @@ sj::CompileOptions options(int derivatives) {
 
 TEST_SUITE("closure") {
 
-// Fails on main 8572e5f, measured (double, n = 256, h = 16, FLOPs from the callback, equal
-// to the IR count of the variants that ran):
-//   libtorch eager       27 products, 1 777 664 FLOPs
-//   staged compiled      36 products, 2 605 056 FLOPs (1.47x eager)
-//   whole-loss compiled  27 products, 1 777 664 FLOPs
-// The final grad(loss, W) runs stage 3, 2 and 1 variants (13 + 8 + 5 products); without
-// cross-stage gradients each of them differentiates back through the forward on its own
-// (the weight gradients of W1..W3 and the products through W2 formed three times, where
-// libtorch sums the gradients arriving at h1, h2 and runs each product once). Issue 32
-// item 3 (one backward sweep) removes it; cross-stage gradients already do (next case).
-// may_fail, not weakened: the check is the issue's requirement.
-TEST_CASE("product count: the PINN step's compiled modes do no more product FLOPs than libtorch eager"
-          * doctest::may_fail()) {
+// With the default options (cross_stage_gradients unset) the staged PINN here (no row
+// tiling) is compiled with cross-stage gradients (Note [Choosing cross-stage gradients] in
+// closure/compile-inl.hpp), so it runs eager's products. Before that choice (main 8572e5f,
+// double, n = 256, h = 16): libtorch eager 27 products / 1 777 664 FLOPs, staged 36 /
+// 2 605 056 (1.47x): the final grad(loss, W) ran stage 3, 2 and 1 variants (13 + 8 + 5
+// products), each differentiating back through the forward on its own. The next case
+// keeps that mode (cross_stage_gradients = false) on record.
+TEST_CASE("product count: the PINN step's compiled modes do no more product FLOPs than libtorch eager") {
   const auto data = pinn_data(256, 16);
   auto net = sj::compile(&mlp, options(3));
+  CHECK(net.closure_for(as_inputs(data))->cross_stage);
   auto loss = sj::compile(&mlp_loss, options(1));
   const Measured m = measure(data, net, loss, sj_step, sj_loss_step, torch_step);
   CHECK(m.staged.flops <= m.eager.flops);
   CHECK(m.whole.flops <= m.eager.flops);
+}
+
+// Without cross-stage gradients (set off: each backward stage differentiates back through
+// the forward on its own) the staged PINN runs more products than eager: 36 against 27
+// here, 2 605 056 against 1 777 664 FLOPs. That is the mode chosen for tall inputs with
+// narrow layers, where the repeated sweeps run in row tiles (bench/higher_order.md).
+TEST_CASE("product count: the PINN step staged without cross-stage gradients re-differentiates the forward") {
+  const auto data = pinn_data(256, 16);
+  sj::CompileOptions o = options(3);
+  o.cross_stage_gradients = false;
+  auto net = sj::compile(&mlp, o);
+  auto loss = sj::compile(&mlp_loss, options(1));
+  const Measured m = measure(data, net, loss, sj_step, sj_loss_step, torch_step);
+  CHECK(m.staged.calls == 36);
+  CHECK(m.staged.flops == doctest::Approx(2605056.0));
+  CHECK(m.eager.flops == doctest::Approx(1777664.0));
 }
 
 // The staged mode with CompileOptions::cross_stage_gradients: each backward stage stops at

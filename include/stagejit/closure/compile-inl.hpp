@@ -26,11 +26,13 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 
 #include <atomic>
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <vector>
 
 namespace stagejit {
 
@@ -108,6 +110,39 @@ inline std::optional<Trace> trace_on_meta(const traced_fn& fn, const variable_li
 }
 
 
+// Note [Choosing cross-stage gradients]
+// A loss that reads several stages of one call (a PINN's u, u_x, u_xx; forces F = -dE/dx
+// beside E) reaches stages 1..k of it in one backward. Without cross-stage gradients each
+// of those stages differentiates back through every earlier stage on its own: the forward
+// is differentiated k times (more matrix products than libtorch: bench/higher_order.md,
+// "Product counts"). With them each part is differentiated once, but the gradients of the
+// values crossing stages are written out whole and summed by the engine between the
+// stage calls. Which costs more depends on the row-tiled regions (Note [Row-tiled
+// regions]): where a backward stage runs them (tall inputs, layers of at most 64
+// columns) the repeated sweeps run tile by tile in the cache and the hand-off's full-size
+// tensors cost more; elsewhere every value is written out anyway and the extra products
+// and elementwise sweeps dominate. Measured (bench/higher_order.md, one engine thread,
+// float, ratio to libtorch): row-tiled Burgers 1.25x without / 1.27x with, KdV 1.96x /
+// 1.35x; untiled Burgers (tile_rows 0) 0.91x / 1.15x, 1 500 points 0.94x / 1.04x; forces
+// (softplus) 0.93x / 1.33x, HVP 0.90x / 1.06x, MAML 1.05x / 1.10x. So, unless the option
+// is set, a spec is traced without them first, and traced again with them when no stage
+// after the forward forms a row-tiled region.
+
+// Whether a stage after the forward of `g` (optimised and fused) runs row-tiled regions
+// with `tile_rows` (Note [Choosing cross-stage gradients]).
+inline bool backward_stages_tile(const ir::Graph& g, int64_t tile_rows) {
+  if (tile_rows <= 0) return false;
+  std::vector<std::vector<ir::Node*>> by_stage;
+  for (ir::Node* n : g.nodes()) {
+    if (n->stage() >= by_stage.size()) by_stage.resize(n->stage() + 1);
+    by_stage[n->stage()].push_back(n);
+  }
+  const int64_t min_rows = std::max<int64_t>(2 * tile_rows, closure::kMinTiledRows);
+  for (std::size_t s = 1; s < by_stage.size(); ++s)
+    if (!closure::find_row_tiled_regions(by_stage[s], min_rows).empty()) return true;
+  return false;
+}
+
 // ATen's default generators (CPU, and each CUDA device's when CUDA is available),
 // saved on construction and restored on destruction.
 struct GeneratorStates {
@@ -154,7 +189,7 @@ struct CompiledFunction::State {
   bool cache_host_memory;
   std::mutex mutex;
   std::unordered_map<ArgSpec, std::shared_ptr<const closure::MultiStageClosure>, ArgSpecHash> cache;
-  std::atomic<std::size_t> hits{0}, misses{0}, meta_traces{0};
+  std::atomic<std::size_t> hits{0}, misses{0}, meta_traces{0}, cross_stage_traces{0};
   std::atomic<int64_t> trace_us{0}, passes_us{0}, build_us{0};
 };
 
@@ -184,7 +219,7 @@ STAGEJIT_FUNC std::shared_ptr<const closure::MultiStageClosure> CompiledFunction
 STAGEJIT_FUNC CompiledFunction::Stats CompiledFunction::stats() const {
   return Stats{state_->hits.load(), state_->misses.load(), 1e-6 * double(state_->trace_us.load()),
                1e-6 * double(state_->passes_us.load()), 1e-6 * double(state_->build_us.load()),
-               state_->meta_traces.load()};
+               state_->meta_traces.load(), state_->cross_stage_traces.load()};
 }
 
 STAGEJIT_FUNC void CompiledFunction::clear_cache() {
@@ -217,12 +252,14 @@ STAGEJIT_FUNC std::shared_ptr<const closure::MultiStageClosure> CompiledFunction
   // compiled call after `at::manual_seed(s)` draws what an eager call would.
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
-  Trace tr = [&] {
+  bool on_meta = false;  // the trace kept was taken on meta tensors
+  auto traced = [&](bool cross_stage) {
     detail::GeneratorStates saved;
-    const TraceOptions topts{o.derivatives, o.cross_stage_gradients};
+    const TraceOptions topts{o.derivatives, cross_stage};
+    on_meta = false;
     if (o.trace_on_meta)
       if (std::optional<Trace> t = detail::trace_on_meta(state_->fn, leaves, topts)) {
-        ++state_->meta_traces;
+        on_meta = true;
         return std::move(*t);
       }
     // The trace runs every stage eagerly at full size: its large tensors come from the
@@ -230,17 +267,33 @@ STAGEJIT_FUNC std::shared_ptr<const closure::MultiStageClosure> CompiledFunction
     // compiled call (bench/first_call.md).
     memory::HostCacheScope host_cache(state_->cache_host_memory);
     return trace(state_->fn, leaves, topts);
-  }();
-  std::shared_ptr<ir::Graph> g = tr.graph();
-  const auto t1 = clock::now();
-  if (o.optimize) {
-    passes::eliminate_dead_code(*g);
-    passes::eliminate_common_subexpressions(*g);
-    passes::fold_double_transposes(*g);
-    passes::eliminate_dead_code(*g);
-    if (o.rematerialize && !o.cross_stage_gradients) passes::rematerialize_cross_stage(*g);
+  };
+  auto optimised = [&](Trace& tr, bool cross_stage) {
+    std::shared_ptr<ir::Graph> g = tr.graph();
+    if (o.optimize) {
+      passes::eliminate_dead_code(*g);
+      passes::eliminate_common_subexpressions(*g);
+      passes::fold_double_transposes(*g);
+      passes::eliminate_dead_code(*g);
+      if (o.rematerialize && !cross_stage) passes::rematerialize_cross_stage(*g);
+    }
+    if (o.fuse) passes::fuse(*g);
+    return g;
+  };
+  bool cross_stage = o.cross_stage_gradients.value_or(false);
+  Trace tr = traced(cross_stage);
+  auto t1 = clock::now();
+  std::shared_ptr<ir::Graph> g = optimised(tr, cross_stage);
+  // Note [Choosing cross-stage gradients].
+  if (!o.cross_stage_gradients && o.derivatives >= 2 && !detail::backward_stages_tile(*g, o.tile_rows)) {
+    const auto t = clock::now();
+    cross_stage = true;
+    tr = traced(true);
+    t1 += clock::now() - t;  // the second trace counts as tracing
+    g = optimised(tr, true);
   }
-  if (o.fuse) passes::fuse(*g);
+  if (cross_stage) ++state_->cross_stage_traces;
+  if (on_meta) ++state_->meta_traces;
   const auto t2 = clock::now();
   std::shared_ptr<closure::MultiStageClosure> msc;
   {

@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 namespace stagejit {
 
@@ -63,12 +64,16 @@ struct CompileOptions {
   /// it reads and hands their gradients to the stage that differentiates their producers,
   /// so a backward through stages 1..k differentiates the forward once, as libtorch's
   /// graph does (`TraceOptions::cross_stage_gradients`, Note [Cross-stage gradients] in
-  /// trace/trace.hpp). Off (the default): each stage differentiates back through every
-  /// earlier stage. Same results either way. Measured on the Burgers PINN step
-  /// (bench/pinn.md): on, 125 matrix products instead of 170, but 25 % slower, the
-  /// gradients crossing stages being written out and summed by the engine instead of
-  /// staying inside one stage's fused kernels; worth trying where products dominate.
-  bool cross_stage_gradients = false;
+  /// trace/trace.hpp). `false`: each stage differentiates back through every earlier
+  /// stage. Same results either way (up to the order of float sums).
+  ///
+  /// Unset (the default): chosen per input spec when compiling (Note [Choosing cross-stage
+  /// gradients]): off when a backward stage runs row-tiled regions (`tile_rows`: tall
+  /// inputs with layers of at most 64 columns, as a PINN's collocation points), where
+  /// recomputing inside the tiles is cheaper than writing the gradients crossing stages
+  /// out and summing them; on otherwise. `Stats::cross_stage_traces` counts the specs
+  /// traced with it; `closure_for(inputs)->cross_stage` says it for one spec.
+  std::optional<bool> cross_stage_gradients = std::nullopt;
   /// Rows per tile of each stage's row-tiled region (closure/tiled_plan.hpp, Note
   /// [Row-tiled regions]): the nodes of a stage that work row by row on tensors of at
   /// least `max(2 * tile_rows, 2048)` rows (fused kernels, thin products, weight and
@@ -80,8 +85,8 @@ struct CompileOptions {
   /// With `optimize`: later stages recompute cheap elementwise values of earlier stages
   /// (of at least 16 384 elements) from values they read anyway instead of reading them
   /// saved, so fewer tensors cross stages (passes/rematerialize.hpp, Note [Cross-stage
-  /// rematerialisation]). Not with `cross_stage_gradients`, whose stages hand on the
-  /// gradients of exactly the values they read.
+  /// rematerialisation]). Not where cross-stage gradients are on, whose stages hand on
+  /// the gradients of exactly the values they read.
   bool rematerialize = true;
   /// Trace on meta tensors (ATen's shape-only device: no data, no arithmetic) with the
   /// inputs' sizes, strides and dtypes, then record the real device in the graph's types:
@@ -112,6 +117,9 @@ class CompiledFunction {
     /// Misses traced on meta tensors (`CompileOptions::trace_on_meta`); the other misses
     /// traced the real tensors.
     std::size_t meta_traces = 0;
+    /// Misses compiled with cross-stage gradients (`CompileOptions::cross_stage_gradients`,
+    /// set or chosen).
+    std::size_t cross_stage_traces = 0;
   };
 
   /// Checks the options (Error: `derivatives` or `tile_rows` negative).
