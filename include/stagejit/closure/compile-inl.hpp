@@ -125,22 +125,33 @@ inline std::optional<Trace> trace_on_meta(const traced_fn& fn, const variable_li
 // float, ratio to libtorch): row-tiled Burgers 1.25x without / 1.27x with, KdV 1.96x /
 // 1.35x; untiled Burgers (tile_rows 0) 0.91x / 1.15x, 1 500 points 0.94x / 1.04x; forces
 // (softplus) 0.93x / 1.33x, HVP 0.90x / 1.06x, MAML 1.05x / 1.10x. So, unless the option
-// is set, a spec is traced without them first, and traced again with them when no stage
-// after the forward forms a row-tiled region.
+// is set, a spec is traced without them first, and traced again with them when fewer
+// than half of the products after the forward run in row-tiled regions.
 
-// Whether a stage after the forward of `g` (optimised and fused) runs row-tiled regions
-// with `tile_rows` (Note [Choosing cross-stage gradients]).
-inline bool backward_stages_tile(const ir::Graph& g, int64_t tile_rows) {
+// Whether the matrix products of the stages after the forward of `g` (optimised and
+// fused) run mostly inside row-tiled regions with `tile_rows`: at least half of them
+// (Note [Choosing cross-stage gradients]). Regions of elementwise kernels alone (layers
+// wider than the tiled products allow) do not count: there the repeated sweeps' products
+// run whole, as libtorch's would, and cost what they cost.
+inline bool backward_products_tile(const ir::Graph& g, int64_t tile_rows) {
   if (tile_rows <= 0) return false;
   std::vector<std::vector<ir::Node*>> by_stage;
   for (ir::Node* n : g.nodes()) {
     if (n->stage() >= by_stage.size()) by_stage.resize(n->stage() + 1);
     by_stage[n->stage()].push_back(n);
   }
+  auto is_product = [](const ir::Node* n) {
+    const std::string d = n->describe();
+    return d == "mm" || d == "addmm" || d == "matmul";
+  };
   const int64_t min_rows = std::max<int64_t>(2 * tile_rows, closure::kMinTiledRows);
-  for (std::size_t s = 1; s < by_stage.size(); ++s)
-    if (!closure::find_row_tiled_regions(by_stage[s], min_rows).empty()) return true;
-  return false;
+  std::size_t products = 0, tiled = 0;
+  for (std::size_t s = 1; s < by_stage.size(); ++s) {
+    for (const ir::Node* n : by_stage[s]) products += is_product(n);
+    for (const closure::TiledRegion& r : closure::find_row_tiled_regions(by_stage[s], min_rows))
+      for (const ir::Node* n : r.nodes) tiled += is_product(n);
+  }
+  return products > 0 && 2 * tiled >= products;
 }
 
 // ATen's default generators (CPU, and each CUDA device's when CUDA is available),
@@ -285,7 +296,7 @@ STAGEJIT_FUNC std::shared_ptr<const closure::MultiStageClosure> CompiledFunction
   auto t1 = clock::now();
   std::shared_ptr<ir::Graph> g = optimised(tr, cross_stage);
   // Note [Choosing cross-stage gradients].
-  if (!o.cross_stage_gradients && o.derivatives >= 2 && !detail::backward_stages_tile(*g, o.tile_rows)) {
+  if (!o.cross_stage_gradients && o.derivatives >= 2 && !detail::backward_products_tile(*g, o.tile_rows)) {
     const auto t = clock::now();
     cross_stage = true;
     tr = traced(true);

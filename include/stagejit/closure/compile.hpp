@@ -68,10 +68,11 @@ struct CompileOptions {
   /// stage. Same results either way (up to the order of float sums).
   ///
   /// Unset (the default): chosen per input spec when compiling (Note [Choosing cross-stage
-  /// gradients]): off when a backward stage runs row-tiled regions (`tile_rows`: tall
-  /// inputs with layers of at most 64 columns, as a PINN's collocation points), where
-  /// recomputing inside the tiles is cheaper than writing the gradients crossing stages
-  /// out and summing them; on otherwise. `Stats::cross_stage_traces` counts the specs
+  /// gradients]): off when most matrix products after the forward run in row-tiled
+  /// regions (`tile_rows`: tall inputs with layers of at most 64 columns, as a PINN's
+  /// collocation points), where recomputing inside the tiles is cheaper than writing the
+  /// gradients crossing stages out and summing them; on otherwise (short inputs, wider
+  /// layers). `Stats::cross_stage_traces` counts the specs
   /// traced with it; `closure_for(inputs)->cross_stage` says it for one spec.
   std::optional<bool> cross_stage_gradients = std::nullopt;
   /// Rows per tile of each stage's row-tiled region (closure/tiled_plan.hpp, Note
