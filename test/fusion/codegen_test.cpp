@@ -108,7 +108,7 @@ TEST_SUITE("fusion") {
     at::manual_seed(4);
     for (auto dtype : {at::kFloat, at::kDouble}) {
       CAPTURE(dtype);
-      // Float without GELU: its known gap (fusion/detail/codegen_ops.hpp, OpId::gelu).
+      // Float without GELU: its known gap (fusion/detail/codegen_ops-inl.hpp, OpId::gelu).
       const std::string& text = dtype == at::kDouble ? stagejit::fusion::testing::activations_group
                                                      : stagejit::fusion::testing::activations_without_gelu_group;
       auto o = at::TensorOptions().dtype(dtype);

@@ -83,7 +83,7 @@ inline const std::string activations_group = R"(graph(%x : Float(12), %y : Float
 
 /// The activations without GELU: erf, silu, softplus, elu, leaky_relu (the float check of
 /// the CPU dialect; GELU's float gap is described at `OpId::gelu` in
-/// fusion/detail/codegen_ops.hpp).
+/// fusion/detail/codegen_ops-inl.hpp).
 inline const std::string activations_without_gelu_group = R"(graph(%x : Float(12), %y : Float(12)) {
   %0 : Float(12) = erf(%x);
   %1 : Float(12) = silu(%x);

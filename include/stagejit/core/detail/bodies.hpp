@@ -17,6 +17,8 @@
 #include <stagejit/ops/tensor_ops-inl.hpp>
 #include <stagejit/ops/ops-inl.hpp>
 #include <stagejit/ops/small_gemm-inl.hpp>
+#include <stagejit/fusion/detail/codegen_ops-inl.hpp>
+#include <stagejit/fusion/codegen-inl.hpp>
 #include <stagejit/closure/compile-inl.hpp>
 
 // The macros of ops/detail/ops_impl.hpp stay inside the bodies.
