@@ -2,6 +2,7 @@
 // The function bodies of a header-only build (core/config.hpp), included once per
 // translation unit by bodies_end.hpp; the compiled build includes them in
 // src/compiled_bodies.cpp instead.
+#include <stagejit/ir/graph-inl.hpp>
 #include <stagejit/autograd/grad_mode-inl.hpp>
 #include <stagejit/autograd/trace_hook-inl.hpp>
 #include <stagejit/autograd/variable-inl.hpp>
