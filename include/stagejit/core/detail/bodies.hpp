@@ -3,6 +3,9 @@
 // translation unit by bodies_end.hpp; the compiled build includes them in
 // src/compiled_bodies.cpp instead.
 #include <stagejit/ir/graph-inl.hpp>
+#include <stagejit/ir/printer-inl.hpp>
+#include <stagejit/ir/parser-inl.hpp>
+#include <stagejit/ir/lint-inl.hpp>
 #include <stagejit/autograd/grad_mode-inl.hpp>
 #include <stagejit/autograd/trace_hook-inl.hpp>
 #include <stagejit/autograd/variable-inl.hpp>
