@@ -2,6 +2,9 @@
 // The function bodies of a header-only build (core/config.hpp), included once per
 // translation unit by bodies_end.hpp; the compiled build includes them in
 // src/compiled_bodies.cpp instead.
+#include <stagejit/ir/type-inl.hpp>
+#include <stagejit/ir/attributes-inl.hpp>
+#include <stagejit/ir/kinds-inl.hpp>
 #include <stagejit/ir/graph-inl.hpp>
 #include <stagejit/ir/printer-inl.hpp>
 #include <stagejit/ir/parser-inl.hpp>
@@ -21,6 +24,7 @@
 #include <stagejit/ops/tensor_ops-inl.hpp>
 #include <stagejit/ops/ops-inl.hpp>
 #include <stagejit/ops/small_gemm-inl.hpp>
+#include <stagejit/ir/node_semantics-inl.hpp>
 #include <stagejit/closure/compile-inl.hpp>
 
 // The macros of ops/detail/ops_impl.hpp stay inside the bodies.
