@@ -3,9 +3,12 @@
 // translation unit by bodies_end.hpp; the compiled build includes them in
 // src/compiled_bodies.cpp instead.
 #include <stagejit/ir/type-inl.hpp>
+#include <stagejit/ir/detail/literals-inl.hpp>
 #include <stagejit/ir/attributes-inl.hpp>
 #include <stagejit/ir/kinds-inl.hpp>
+#include <stagejit/ir/detail/op_words-inl.hpp>
 #include <stagejit/ir/graph-inl.hpp>
+#include <stagejit/ir/detail/names-inl.hpp>
 #include <stagejit/ir/printer-inl.hpp>
 #include <stagejit/ir/parser-inl.hpp>
 #include <stagejit/ir/lint-inl.hpp>
