@@ -465,7 +465,7 @@ class Parser {
   Node* parse_op(Graph& g, Scope& scope, bool handle_output) {
     Token t = lex_.next();
     if (t.is('^')) {
-      Token name = lex_.next();  // an identifier, or a quoted name (printer.hpp, op_name_text)
+      Token name = lex_.next();  // an identifier, or a quoted name (printer-inl.hpp, op_name_text)
       if (name.kind != TokenKind::Ident && name.kind != TokenKind::String)
         fail(name, "expected a host op name after '^', found " + name.describe());
       check_quoted_name(name);
@@ -503,7 +503,7 @@ class Parser {
       }
       return g.create(HostOp{name.text, *conv, std::move(scalars), nullptr}, inputs, {});
     }
-    if (t.kind == TokenKind::String) {  // a quoted op name (printer.hpp, op_name_text)
+    if (t.kind == TokenKind::String) {  // a quoted op name (printer-inl.hpp, op_name_text)
       check_quoted_name(t);
       std::vector<Token> attr_tokens;
       AttributeList attrs = parse_attrs(attr_tokens);
