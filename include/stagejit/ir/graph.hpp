@@ -14,6 +14,9 @@
 ///
 /// Note [Handles]: a Handle value (an opaque backward closure) is only ever the last
 /// output of a HostOp or Eval node and the last input of an Eval node (`ir::lint`).
+///
+/// This header declares; the bodies of the longer members are in ir/graph-inl.hpp
+/// (core/config.hpp).
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
@@ -37,6 +40,7 @@
 #include <variant>
 #include <vector>
 
+#include <stagejit/core/config.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/memory/cell_pool.hpp>
 #include <stagejit/ir/kinds.hpp>
@@ -56,7 +60,7 @@ struct Use {
 };
 
 /// Prints `Use(user #id, offset)` (for test and log messages).
-std::ostream& operator<<(std::ostream& os, const Use& u);
+STAGEJIT_FUNC std::ostream& operator<<(std::ostream& os, const Use& u);
 
 /// Note [Inline edge lists]: a node's inputs and outputs and a value's uses live inside
 /// the node or value (c10::SmallVector; a heap block only past two inputs, two outputs
@@ -91,13 +95,7 @@ inline constexpr size_t return_stage = std::numeric_limits<size_t>::max();
 
 /// True for a valid debug name: `[A-Za-z_][A-Za-z0-9_.]*`. Names starting with a
 /// digit are reserved for the printer's numbering.
-inline bool valid_value_name(std::string_view name) {
-  if (name.empty() || !(std::isalpha(static_cast<unsigned char>(name[0])) || name[0] == '_'))
-    return false;
-  for (char c : name)
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.')) return false;
-  return true;
-}
+STAGEJIT_FUNC bool valid_value_name(std::string_view name);
 
 namespace detail {
 
@@ -151,12 +149,7 @@ class Value {
   bool has_name() const noexcept { return !name_.empty(); }
   /// Sets the debug name; "" clears it. Throws IrError unless `valid_value_name`.
   /// Uniqueness within the graph is checked by `lint`.
-  Value* set_name(std::string name) {
-    STAGEJIT_CHECK_AS(IrError, name.empty() || valid_value_name(name), "invalid value name '",
-                      name, "': expected [A-Za-z_][A-Za-z0-9_.]*");
-    name_ = std::move(name);
-    return this;
-  }
+  Value* set_name(std::string name);
 
   /// The edges that read this value, in the order they were added.
   const UseList& uses() const noexcept { return uses_; }
@@ -209,11 +202,7 @@ class Node {
     return std::get<K>(kind_);
   }
   /// A short name for messages: the op name for Op, `^name` for HostOp, else the kind.
-  std::string describe() const {
-    if (auto op = get_if<Op>()) return std::string(op->name());
-    if (auto h = get_if<HostOp>()) return "^" + h->name;
-    return std::string(ir::kind_name(kind_));
-  }
+  std::string describe() const;
 
   size_t id() const noexcept { return id_; }
   size_t stage() const noexcept { return stage_; }
@@ -242,35 +231,13 @@ class Node {
     return v;
   }
   /// Inserts an input at position `i`, renumbering the uses of later inputs.
-  Value* insert_input(size_t i, Value* v) {
-    check_same_graph(v);
-    STAGEJIT_CHECK_AS(IrError, i <= inputs_.size(), "insert_input position ", i, " past ",
-                      inputs_.size(), " inputs");
-    for (size_t j = i; j < inputs_.size(); ++j) renumber_use(j, j + 1);
-    inputs_.insert(inputs_.begin() + i, v);
-    v->uses_.push_back(Use{this, i});
-    return v;
-  }
+  Value* insert_input(size_t i, Value* v);
   /// Replaces input `i` by `v`; returns the old value.
-  Value* replace_input(size_t i, Value* v) {
-    check_same_graph(v);
-    Value* old = input(i);
-    old->remove_use(this, i);
-    inputs_[i] = v;
-    v->uses_.push_back(Use{this, i});
-    return old;
-  }
+  Value* replace_input(size_t i, Value* v);
   /// Replaces every input equal to `from` by `to`.
-  void replace_input_with(Value* from, Value* to) {
-    for (size_t i = 0; i < inputs_.size(); ++i)
-      if (inputs_[i] == from) replace_input(i, to);
-  }
+  void replace_input_with(Value* from, Value* to);
   /// Removes input `i`, renumbering the uses of later inputs.
-  void remove_input(size_t i) {
-    input(i)->remove_use(this, i);
-    for (size_t j = i + 1; j < inputs_.size(); ++j) renumber_use(j, j - 1);
-    inputs_.erase(inputs_.begin() + i);
-  }
+  void remove_input(size_t i);
   void remove_all_inputs() {
     while (!inputs_.empty()) remove_input(inputs_.size() - 1);
   }
@@ -292,21 +259,9 @@ class Node {
   /// Appends an output of the given type.
   Value* add_output(Type type = UnknownType{});
   /// Removes output `i` (which must have no uses), renumbering later offsets.
-  void erase_output(size_t i) {
-    Value* v = output(i);
-    STAGEJIT_CHECK_AS(IrError, !v->has_uses(), "cannot erase output ", i, " of node #", id_,
-                      " (", describe(), "): it still has ", v->uses().size(), " uses");
-    outputs_.erase(outputs_.begin() + i);
-    for (size_t j = i; j < outputs_.size(); ++j) outputs_[j]->offset_ = j;
-    detail::ValueDeleter{}(v);
-  }
+  void erase_output(size_t i);
   /// Redirects the uses of each output to the same-index output of `other`.
-  void replace_all_uses_with(Node* other) {
-    STAGEJIT_CHECK_AS(IrError, other->outputs_.size() == outputs_.size(), "node #", id_,
-                      " has ", outputs_.size(), " outputs but its replacement #", other->id_,
-                      " has ", other->outputs_.size());
-    for (size_t i = 0; i < outputs_.size(); ++i) outputs_[i]->replace_all_uses_with(other->outputs_[i]);
-  }
+  void replace_all_uses_with(Node* other);
 
   // ---- position in the node list
   /// True when the node is in its graph's node list.
@@ -326,13 +281,7 @@ class Node {
     insert_after(n);
   }
   /// Takes the node out of the list (it stays owned by the graph).
-  void remove_from_list() {
-    STAGEJIT_CHECK_AS(IrError, in_list() && !is<Return>(), "node #", id_,
-                      " is not in the node list");
-    prev_->next_ = next_;
-    next_->prev_ = prev_;
-    prev_ = next_ = nullptr;
-  }
+  void remove_from_list();
   /// True when this listed node comes before the listed node `n`. O(distance).
   bool is_before(const Node* n) const;
   /// Removes the node from the graph and frees it. Its outputs must have no uses
@@ -378,94 +327,36 @@ class Node {
 /// A multi-stage graph (Note [Stages]). Not copyable: use `clone()`.
 class Graph {
  public:
-  Graph() {
-    return_node_ = new_node(Return{}, return_stage);
-    return_node_->prev_ = return_node_->next_ = return_node_;
-    stage_output_counts_.push_back(0);
-  }
+  Graph();
   Graph(const Graph&) = delete;
   Graph& operator=(const Graph&) = delete;
-  ~Graph() {
-    // Drop every edge first so destruction order does not matter; free the nodes while
-    // their pool is alive.
-    for (auto& n : owned_) n->inputs_.clear();
-    owned_.clear();
-  }
+  ~Graph();
 
   // ---------------------------------------------------------------- inputs
   /// Adds a graph input of `stage` (a Param node's output), placed after every input
   /// of stage <= `stage` so inputs stay in stage order. Returns the new value.
-  Value* add_input(Type type, size_t stage, std::string name = {}) {
-    ensure_stage(stage);
-    Node* param = new_node(Param{}, stage);
-    Value* v = param->add_output(std::move(type));
-    v->set_name(std::move(name));
-    // Inputs are sorted by stage: the first input of a later stage is found by binary
-    // search (appending, the common case, stays O(log n)).
-    auto pos = std::upper_bound(inputs_.begin(), inputs_.end(), stage,
-                                [](size_t s, const Value* in) { return s < in->stage(); });
-    inputs_.insert(pos, v);
-    return v;
-  }
+  Value* add_input(Type type, size_t stage, std::string name = {});
   /// All graph inputs, stage 0 first.
   const std::vector<Value*>& inputs() const noexcept { return inputs_; }
   /// The inputs of one stage, in order.
-  std::vector<Value*> stage_inputs(size_t stage) const {
-    std::vector<Value*> out;
-    for (Value* v : inputs_)
-      if (v->stage() == stage) out.push_back(v);
-    return out;
-  }
+  std::vector<Value*> stage_inputs(size_t stage) const;
   /// Removes graph input `i`, which must have no uses.
-  void erase_input(size_t i) {
-    STAGEJIT_CHECK_AS(IrError, i < inputs_.size(), "graph has ", inputs_.size(),
-                      " inputs, cannot erase input ", i);
-    Value* v = inputs_[i];
-    STAGEJIT_CHECK_AS(IrError, !v->has_uses(), "cannot erase graph input ", i, ": it has ",
-                      v->uses().size(), " uses");
-    inputs_.erase(inputs_.begin() + i);
-    release(v->node());
-  }
+  void erase_input(size_t i);
 
   // ---------------------------------------------------------------- outputs
   /// Appends `v` to the outputs of `stage` (after that stage's earlier outputs, before
   /// any later stage's). Returns its index in `outputs()`.
-  size_t register_output(Value* v, size_t stage) {
-    ensure_stage(stage);
-    size_t pos = 0;
-    for (size_t s = 0; s <= stage; ++s) pos += stage_output_counts_[s];
-    return_node_->insert_input(pos, v);
-    ++stage_output_counts_[stage];
-    return pos;
-  }
+  size_t register_output(Value* v, size_t stage);
   /// All graph outputs, grouped by stage (stage 0 first).
   const ValueList& outputs() const noexcept { return return_node_->inputs(); }
   /// How many outputs each stage has; one entry per stage (Note [Stages]).
   const std::vector<size_t>& stage_output_counts() const noexcept { return stage_output_counts_; }
   /// The outputs of one stage.
-  std::vector<Value*> stage_outputs(size_t stage) const {
-    STAGEJIT_CHECK_AS(IrError, stage < stage_output_counts_.size(), "graph has ",
-                      stage_output_counts_.size(), " stages, asked for outputs of stage ", stage);
-    size_t begin = 0;
-    for (size_t s = 0; s < stage; ++s) begin += stage_output_counts_[s];
-    const auto& outs = outputs();
-    return {outs.begin() + begin, outs.begin() + begin + stage_output_counts_[stage]};
-  }
+  std::vector<Value*> stage_outputs(size_t stage) const;
   /// The stage whose group holds output `i`.
-  size_t output_stage(size_t i) const {
-    STAGEJIT_CHECK_AS(IrError, i < outputs().size(), "graph has ", outputs().size(),
-                      " outputs, asked for output ", i);
-    for (size_t s = 0;; ++s) {
-      if (i < stage_output_counts_[s]) return s;
-      i -= stage_output_counts_[s];
-    }
-  }
+  size_t output_stage(size_t i) const;
   /// Removes graph output `i` from its stage group.
-  void erase_output(size_t i) {
-    size_t stage = output_stage(i);
-    return_node_->remove_input(i);
-    --stage_output_counts_[stage];
-  }
+  void erase_output(size_t i);
   /// The Return sentinel (its inputs are the outputs). Not in `nodes()`.
   Node* return_node() const noexcept { return return_node_; }
 
@@ -473,11 +364,7 @@ class Graph {
   /// Number of stages (= `stage_output_counts().size()`, at least 1).
   size_t num_stages() const noexcept { return stage_output_counts_.size(); }
   /// Makes the graph have at least `stage + 1` stages (adding empty output groups).
-  void ensure_stage(size_t stage) {
-    STAGEJIT_CHECK_AS(IrError, stage != return_stage && stage < (size_t(1) << 20),
-                      "stage ", stage, " is out of range");
-    if (stage_output_counts_.size() <= stage) stage_output_counts_.resize(stage + 1, 0);
-  }
+  void ensure_stage(size_t stage);
   /// The stage stamped on nodes made by `create` (docs/seed-system.md §1.1 "new_node_stage").
   size_t current_stage() const noexcept { return current_stage_; }
   void set_current_stage(size_t stage) {
@@ -490,18 +377,7 @@ class Graph {
   /// per entry of `output_types`. Param and Return cannot be created (IrError): use
   /// `add_input` / `register_output`.
   Node* create(NodeKind kind, c10::ArrayRef<Value*> inputs = {},
-               const std::vector<Type>& output_types = {UnknownType{}}) {
-    STAGEJIT_CHECK_AS(IrError,
-                      !std::holds_alternative<Param>(kind) && !std::holds_alternative<Return>(kind),
-                      "Graph::create cannot make ", ir::kind_name(kind),
-                      " nodes (use add_input / register_output)");
-    Node* n = new_node(std::move(kind), current_stage_);
-    n->inputs_.reserve(inputs.size());  // one block each instead of growing by doubling
-    n->outputs_.reserve(output_types.size());
-    for (Value* v : inputs) n->add_input(v);
-    for (const Type& t : output_types) n->add_output(t);
-    return n;
-  }
+               const std::vector<Type>& output_types = {UnknownType{}});
   /// Appends `n` (unlisted, of this graph) at the end of the node list.
   Node* append(Node* n) { return n->insert_before(return_node_); }
   /// Inserts `n` at the front of the node list.
@@ -513,27 +389,15 @@ class Graph {
   }
   /// An appended Constant node holding `value` (kept as given; its type is taken from
   /// it). Throws IrError for an undefined tensor.
-  Value* append_constant(const at::Tensor& value) {
-    STAGEJIT_CHECK_AS(IrError, value.defined(), "a Constant needs a defined tensor");
-    return create_and_append(Constant{value}, {}, {TensorType::of(value)})->output();
-  }
+  Value* append_constant(const at::Tensor& value);
   /// An appended Undefined node's output.
   Value* append_undefined() { return create_and_append(Undefined{}, {}, {UnknownType{}})->output(); }
 
   /// The listed nodes in order (a topological order), as a snapshot safe to mutate
   /// the graph while iterating.
-  std::vector<Node*> nodes() const {
-    std::vector<Node*> out;
-    for (Node* n = return_node_->next_; n != return_node_; n = n->next_) out.push_back(n);
-    return out;
-  }
+  std::vector<Node*> nodes() const;
   /// Every node the graph owns (listed or not, Params and Return included), unordered.
-  std::vector<Node*> all_nodes() const {
-    std::vector<Node*> out;
-    out.reserve(owned_.size());
-    for (auto& n : owned_) out.push_back(n.get());
-    return out;
-  }
+  std::vector<Node*> all_nodes() const;
   /// One past the largest node or value id made so far: ids are dense and never reused,
   /// so a vector of this size maps every id of the graph (passes use such dense maps).
   size_t id_bound() const noexcept { return next_id_; }
@@ -548,102 +412,25 @@ class Graph {
   /// deep-copied), stage, output types and (when `copy_names`) names; inputs mapped
   /// through `value_map`.
   Node* create_clone(const Node& n, const std::function<Value*(Value*)>& value_map,
-                     bool copy_names = false) {
-    NodeKind kind = n.kind_;
-    if (auto fg = std::get_if<FusionGroup>(&kind); fg && fg->subgraph) fg->subgraph = fg->subgraph->clone();
-    STAGEJIT_CHECK_AS(IrError, !std::holds_alternative<Param>(kind) && !std::holds_alternative<Return>(kind),
-                      "create_clone cannot copy a ", ir::kind_name(kind), " node");
-    Node* c = new_node(std::move(kind), n.stage_);
-    ensure_stage(n.stage_);
-    c->inputs_.reserve(n.inputs_.size());
-    c->outputs_.reserve(n.outputs_.size());
-    for (Value* v : n.inputs_) c->add_input(value_map(v));
-    for (Value* v : n.outputs_) {
-      Value* o = c->add_output(v->type_);
-      if (copy_names) o->name_ = v->name_;
-    }
-    c->location_ = n.location_;
-    return c;
-  }
+                     bool copy_names = false);
   /// A deep copy: same inputs, nodes, stages, names, outputs and output groups. With
   /// `value_map`, it is set to the copy of each value, indexed by the value's id here
   /// (size `id_bound()`, null for ids of no live value).
-  std::shared_ptr<Graph> clone(std::vector<Value*>* value_map = nullptr) const {
-    auto g = std::make_shared<Graph>();
-    g->owned_.reserve(owned_.size());
-    // Value ids are dense (< next_id_): the map is a vector indexed by id.
-    std::vector<Value*> map(next_id_, nullptr);
-    for (Value* in : inputs_) map[in->id()] = g->add_input(in->type_, in->stage(), in->name_);
-    auto lookup = [&](Value* v) {
-      Value* to = v->id() < map.size() ? map[v->id()] : nullptr;
-      STAGEJIT_CHECK_AS(IrError, to != nullptr, "clone: value #", v->id(),
-                        " is used before it is defined");
-      return to;
-    };
-    for (Node* n = return_node_->next_; n != return_node_; n = n->next_) {
-      Node* c = g->append(g->create_clone(*n, lookup, true));
-      for (size_t i = 0; i < n->outputs_.size(); ++i) map[n->outputs_[i]->id()] = c->outputs_[i];
-    }
-    g->stage_output_counts_.assign(stage_output_counts_.size(), 0);
-    for (size_t i = 0; i < outputs().size(); ++i)
-      g->register_output(lookup(outputs()[i]), output_stage(i));
-    g->current_stage_ = current_stage_;
-    if (value_map) *value_map = std::move(map);
-    return g;
-  }
+  std::shared_ptr<Graph> clone(std::vector<Value*>* value_map = nullptr) const;
   /// Copies the nodes of `sub` before `insert_point` (a listed node of this graph or the
   /// Return node), feeding `sub`'s inputs from `inputs`; the copies get `stage`.
   /// Returns the values that correspond to `sub`'s outputs. (Inlining a FusionGroup.)
   std::vector<Value*> inline_graph(const Graph& sub, c10::ArrayRef<Value*> inputs,
-                                   Node* insert_point, size_t stage) {
-    STAGEJIT_CHECK_AS(IrError, inputs.size() == sub.inputs_.size(), "inline_graph: subgraph has ",
-                      sub.inputs_.size(), " inputs, given ", inputs.size());
-    std::vector<Value*> map(sub.next_id_, nullptr);  // by id of `sub`'s values
-    for (size_t i = 0; i < inputs.size(); ++i) map[sub.inputs_[i]->id()] = inputs[i];
-    auto lookup = [&](Value* v) {
-      Value* to = v->id() < map.size() ? map[v->id()] : nullptr;
-      STAGEJIT_CHECK_AS(IrError, to != nullptr, "inline_graph: value #", v->id(),
-                        " is used before it is defined");
-      return to;
-    };
-    for (Node* n = sub.return_node_->next_; n != sub.return_node_; n = n->next_) {
-      Node* c = create_clone(*n, lookup)->set_stage(stage);
-      c->insert_before(insert_point);
-      for (size_t i = 0; i < n->outputs_.size(); ++i) map[n->outputs_[i]->id()] = c->outputs_[i];
-    }
-    std::vector<Value*> outs;
-    for (Value* v : sub.outputs()) outs.push_back(lookup(v));
-    return outs;
-  }
+                                   Node* insert_point, size_t stage);
 
   /// The value whose debug name is `name`, or nullptr.
-  Value* find_value(std::string_view name) const {
-    for (auto& n : owned_)
-      for (Value* v : n->outputs_)
-        if (v->name_ == name) return v;
-    return nullptr;
-  }
+  Value* find_value(std::string_view name) const;
 
  private:
   friend class Node;
-  Node* new_node(NodeKind kind, size_t stage) {
-    Node* raw = node_pool_.construct(
-        [&](void* cell) { return new (cell) Node(this, std::move(kind), next_id_++, stage); });
-    std::unique_ptr<Node, detail::NodeDeleter> n(raw);
-    n->owner_slot_ = owned_.size();
-    owned_.push_back(std::move(n));
-    return raw;
-  }
+  Node* new_node(NodeKind kind, size_t stage);
   // Frees `n` (owned by this graph): the last owned node takes its slot.
-  void release(Node* n) {
-    const size_t slot = n->owner_slot_;
-    std::unique_ptr<Node, detail::NodeDeleter> dead = std::move(owned_[slot]);
-    if (slot + 1 != owned_.size()) {
-      owned_[slot] = std::move(owned_.back());
-      owned_[slot]->owner_slot_ = slot;
-    }
-    owned_.pop_back();
-  }
+  void release(Node* n);
   size_t next_value_id() { return next_id_++; }
 
   friend struct detail::NodeDeleter;
@@ -664,10 +451,6 @@ class Graph {
 
 // ---------------------------------------------------------------- out-of-line members
 
-inline std::ostream& operator<<(std::ostream& os, const Use& u) {
-  return os << "Use(user #" << (u.user ? u.user->id() : 0) << ", offset " << u.offset << ")";
-}
-
 inline void detail::NodeDeleter::operator()(Node* n) const noexcept {
   Graph* g = n->graph_;
   n->~Node();
@@ -686,67 +469,6 @@ inline Node::~Node() {
 
 inline size_t Value::stage() const noexcept { return node_->stage(); }
 inline Graph* Value::owning_graph() const noexcept { return node_->owning_graph(); }
-
-inline void Value::replace_all_uses_with(Value* other) {
-  STAGEJIT_CHECK_AS(IrError, other && other->owning_graph() == owning_graph(),
-                    "replace_all_uses_with: replacement of value #", id_,
-                    " must belong to the same graph");
-  if (other == this) return;
-  auto uses = uses_;
-  for (const Use& u : uses) u.user->replace_input(u.offset, other);
-}
-
-inline Node* Node::set_stage(size_t stage) {
-  STAGEJIT_CHECK_AS(IrError, !is<Return>(), "the Return node's stage is fixed");
-  graph_->ensure_stage(stage);
-  stage_ = stage;
-  return this;
-}
-
-inline Value* Node::add_output(Type type) {
-  // Room first (doubling), so that nothing throws once the value is made.
-  if (outputs_.size() == outputs_.capacity()) outputs_.reserve(std::max<size_t>(1, 2 * outputs_.size()));
-  Value* raw = graph_->value_pool_.construct([&](void* cell) {
-    return new (cell) Value(this, outputs_.size(), graph_->next_value_id(), std::move(type));
-  });
-  outputs_.push_back(raw);
-  return raw;
-}
-
-inline Node* Node::insert_before(Node* n) {
-  STAGEJIT_CHECK_AS(IrError, !in_list() && !is<Param>() && !is<Return>(), "node #", id_, " (",
-                    describe(), ") cannot be inserted: it is already listed or a Param/Return");
-  STAGEJIT_CHECK_AS(IrError, n && n->graph_ == graph_ && n->in_list(),
-                    "insertion point of node #", id_, " is not a listed node of its graph");
-  prev_ = n->prev_;
-  next_ = n;
-  n->prev_->next_ = this;
-  n->prev_ = this;
-  return this;
-}
-
-inline Node* Node::insert_after(Node* n) {
-  STAGEJIT_CHECK_AS(IrError, n && n->graph_ == graph_ && n->in_list(),
-                    "insertion point of node #", id_, " is not a listed node of its graph");
-  return insert_before(n->next_);
-}
-
-inline bool Node::is_before(const Node* n) const {
-  for (const Node* p = next_; p && !p->is<Return>(); p = p->next_)
-    if (p == n) return true;
-  return false;
-}
-
-inline void Node::destroy() {
-  STAGEJIT_CHECK_AS(IrError, !is<Return>(), "the Return node cannot be destroyed");
-  STAGEJIT_CHECK_AS(IrError, !is<Param>(), "destroy a graph input with Graph::erase_input");
-  for (Value* v : outputs_)
-    STAGEJIT_CHECK_AS(IrError, !v->has_uses(), "cannot destroy node #", id_, " (", describe(),
-                      "): output ", v->offset(), " still has ", v->uses().size(), " uses");
-  remove_all_inputs();
-  if (in_list()) remove_from_list();
-  graph_->release(this);  // frees this node
-}
 
 }  // namespace stagejit::ir
 

@@ -8,6 +8,8 @@
 /// Kinds whose fields are attributes (`Constant`, `Transpose`, `Reshape`, `Gemm`) are
 /// Hana Structs: the printer writes their members as `[name=value, ...]` and the parser
 /// fills them back by member name.
+///
+/// `kind_equal`'s body is in ir/kinds-inl.hpp (core/config.hpp).
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
@@ -21,6 +23,7 @@
 #include <variant>
 #include <vector>
 
+#include <stagejit/core/config.hpp>
 #include <stagejit/core/overloaded.hpp>
 #include <stagejit/core/scalar.hpp>
 #include <stagejit/ir/attributes.hpp>
@@ -181,39 +184,7 @@ inline bool has_side_effects(const NodeKind& kind) {
 /// Structural equality of two kinds, as CSE needs it: same alternative and equal fields
 /// (tensors by dtype, sizes and values). HostOp, Eval, FusionGroup, Param and Return
 /// are never equal to another node's kind (they are opaque or unique).
-inline bool kind_equal(const NodeKind& a, const NodeKind& b) {
-  if (a.index() != b.index()) return false;
-  auto opaque = [](const auto&) { return false; };
-  return std::visit(
-      Overloaded{
-          [&](const Undefined&) { return true; },
-          [&](const Op& x) {
-            const auto& y = std::get<Op>(b);
-            if (&x.schema() != &y.schema() || x.attributes.size() != y.attributes.size()) return false;
-            for (size_t i = 0; i < x.attributes.size(); ++i)
-              if (x.attributes[i].first != y.attributes[i].first ||
-                  !attribute_equal(x.attributes[i].second, y.attributes[i].second))
-                return false;
-            return true;
-          },
-          // Constant, Transpose, Reshape, Gemm: every field, by name.
-          [&]<class K>(const K& x) requires is_attribute_kind<K> {
-            const auto& y = std::get<K>(b);
-            bool eq = true;
-            boost::hana::for_each(boost::hana::keys(x), [&](auto key) {
-              eq = eq && attribute_equal(AttributeValue(boost::hana::at_key(x, key)),
-                                         AttributeValue(boost::hana::at_key(y, key)));
-            });
-            return eq;
-          },
-          [&](const HostOp& x) { return opaque(x); },
-          [&](const Eval& x) { return opaque(x); },
-          [&](const FusionGroup& x) { return opaque(x); },
-          [&](const Param& x) { return opaque(x); },
-          [&](const Return& x) { return opaque(x); },
-      },
-      a);
-}
+STAGEJIT_FUNC bool kind_equal(const NodeKind& a, const NodeKind& b);
 
 }  // namespace stagejit::ir
 

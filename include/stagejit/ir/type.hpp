@@ -13,6 +13,8 @@
 /// an unmarked dimension gets its contiguous stride `e` (`size[d+1]*stride[d+1]`, 1 for
 /// the last); a `!` dimension gets `2*e` (or 1 when `e` is 0). The rebuilt strides print
 /// back to the same marks, so text round-trips; the exact stride values do not.
+///
+/// The longer functions' bodies are in ir/type-inl.hpp (core/config.hpp).
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/core/Tensor.h>
@@ -28,6 +30,7 @@
 #include <variant>
 #include <vector>
 
+#include <stagejit/core/config.hpp>
 #include <stagejit/core/error.hpp>
 
 namespace stagejit::ir {
@@ -91,69 +94,19 @@ inline TensorType TensorType::contiguous(at::ScalarType dtype, at::IntArrayRef s
 
 /// For each dimension, whether its stride differs from the contiguous expectation
 /// (the `!` marks of the text form). `strides` must have the length of `sizes`.
-inline std::vector<bool> noncontiguous_marks(at::IntArrayRef sizes, at::IntArrayRef strides) {
-  STAGEJIT_CHECK_AS(IrError, sizes.size() == strides.size(), "tensor type has ", sizes.size(),
-                    " sizes but ", strides.size(), " strides");
-  std::vector<bool> marks(sizes.size(), false);
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    int64_t expected = d + 1 == sizes.size() ? 1 : sizes[d + 1] * strides[d + 1];
-    marks[d] = strides[d] != expected;
-  }
-  return marks;
-}
-
-inline bool TensorType::is_contiguous() const {
-  for (bool m : noncontiguous_marks(sizes, strides))
-    if (m) return false;
-  return true;
-}
+STAGEJIT_FUNC std::vector<bool> noncontiguous_marks(at::IntArrayRef sizes, at::IntArrayRef strides);
 
 /// Rebuilds strides from `!` marks (Note [Stride reconstruction]).
-inline DimList parse_strides(at::IntArrayRef sizes, const std::vector<bool>& marks) {
-  DimList strides(sizes.size());
-  for (size_t d = sizes.size(); d-- > 0;) {
-    int64_t expected = d + 1 == sizes.size() ? 1 : sizes[d + 1] * strides[d + 1];
-    strides[d] = marks[d] ? (expected == 0 ? 1 : 2 * expected) : expected;
-  }
-  return strides;
-}
+STAGEJIT_FUNC DimList parse_strides(at::IntArrayRef sizes, const std::vector<bool>& marks);
 
 /// Every dtype the text form names, in ATen's spelling (`Float`, `Long`, ...).
-inline const std::vector<at::ScalarType>& printable_dtypes() {
-  static const std::vector<at::ScalarType> all = {
-      at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong, at::kInt,
-      at::kShort, at::kChar,   at::kByte, at::kBool,     at::kComplexFloat,
-      at::kComplexDouble};
-  return all;
-}
+STAGEJIT_FUNC const std::vector<at::ScalarType>& printable_dtypes();
 
 /// The dtype named `name` (`"Float"` -> `at::kFloat`), or nullopt.
-inline std::optional<at::ScalarType> dtype_from_name(std::string_view name) {
-  for (auto t : printable_dtypes())
-    if (name == c10::toString(t)) return t;
-  return std::nullopt;
-}
+STAGEJIT_FUNC std::optional<at::ScalarType> dtype_from_name(std::string_view name);
 
 /// The text form of a type (`Float(3, 4!)`, `Handle`, `UNKNOWN_TYPE`).
-inline std::string to_string(const Type& type) {
-  if (std::holds_alternative<HandleType>(type)) return "Handle";
-  if (std::holds_alternative<UnknownType>(type)) return "UNKNOWN_TYPE";
-  const auto& t = std::get<TensorType>(type);
-  std::string out = c10::toString(t.dtype);
-  out += '(';
-  auto marks = noncontiguous_marks(t.sizes, t.strides);
-  for (size_t d = 0; d < t.sizes.size(); ++d) {
-    if (d) out += ", ";
-    out += std::to_string(t.sizes[d]);
-    if (marks[d]) out += '!';
-  }
-  if (t.device != at::Device(at::kCPU)) {
-    if (!t.sizes.empty()) out += ", ";
-    out += "device=" + t.device.str();
-  }
-  out += ')';
-  return out;
-}
+STAGEJIT_FUNC std::string to_string(const Type& type);
 
 }  // namespace stagejit::ir
 

@@ -2,6 +2,16 @@
 // The function bodies of a header-only build (core/config.hpp), included once per
 // translation unit by bodies_end.hpp; the compiled build includes them in
 // src/compiled_bodies.cpp instead.
+#include <stagejit/ir/type-inl.hpp>
+#include <stagejit/ir/detail/literals-inl.hpp>
+#include <stagejit/ir/attributes-inl.hpp>
+#include <stagejit/ir/kinds-inl.hpp>
+#include <stagejit/ir/detail/op_words-inl.hpp>
+#include <stagejit/ir/graph-inl.hpp>
+#include <stagejit/ir/detail/names-inl.hpp>
+#include <stagejit/ir/printer-inl.hpp>
+#include <stagejit/ir/parser-inl.hpp>
+#include <stagejit/ir/lint-inl.hpp>
 #include <stagejit/autograd/grad_mode-inl.hpp>
 #include <stagejit/autograd/trace_hook-inl.hpp>
 #include <stagejit/autograd/variable-inl.hpp>
@@ -17,6 +27,7 @@
 #include <stagejit/ops/tensor_ops-inl.hpp>
 #include <stagejit/ops/ops-inl.hpp>
 #include <stagejit/ops/small_gemm-inl.hpp>
+#include <stagejit/ir/node_semantics-inl.hpp>
 #include <stagejit/fusion/detail/codegen_ops-inl.hpp>
 #include <stagejit/fusion/codegen-inl.hpp>
 #include <stagejit/closure/compile-inl.hpp>

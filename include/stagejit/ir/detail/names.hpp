@@ -3,22 +3,21 @@
 /// The printed names of a graph's values, shared by the printer and by `lint`'s
 /// messages: a value with a debug name prints as `%name`; the others are numbered
 /// `%0, %1, ...` in print order (graph inputs, then node outputs in list order).
+///
+/// The longer members' bodies are in ir/detail/names-inl.hpp (core/config.hpp).
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <string>
 #include <unordered_map>
 
+#include <stagejit/core/config.hpp>
 #include <stagejit/ir/graph.hpp>
 
 namespace stagejit::ir::detail {
 
 class NameTable {
  public:
-  explicit NameTable(const Graph& g) {
-    for (Value* v : g.inputs()) assign(v);
-    for (Node* n : g.nodes())
-      for (Value* v : n->outputs()) assign(v);
-  }
+  explicit NameTable(const Graph& g);
   /// `%name` of `v`; values outside the list (unlisted nodes) print as `%#<id>`.
   std::string operator()(const Value* v) const {
     auto it = names_.find(v);
@@ -26,13 +25,7 @@ class NameTable {
     return "%#" + std::to_string(v->id());
   }
   /// A node for messages: its outputs' names and what it is, e.g. `%3 (mul)`.
-  std::string node(const Node* n) const {
-    if (n->is<Return>()) return "return";
-    std::string out;
-    for (size_t i = 0; i < n->outputs().size(); ++i) out += (i ? ", " : "") + (*this)(n->output(i));
-    if (out.empty()) out = "#" + std::to_string(n->id());
-    return out + " (" + n->describe() + ")";
-  }
+  std::string node(const Node* n) const;
 
  private:
   void assign(const Value* v) {

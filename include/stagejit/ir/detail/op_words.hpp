@@ -8,10 +8,13 @@
 /// - kind names (`Constant`, `Transpose`, ...), `CppOp`, control flow (`If`, `Loop`);
 /// - fusion-group references (`fusion_group_N`, `FusionGroup_N`);
 /// - names in the 2018 namespaces `aten::`, `prim::`, `onnx::`, which the parser strips.
+///
+/// `is_reserved_op_word`'s body is in ir/detail/op_words-inl.hpp (core/config.hpp).
 
 #include <stagejit/core/detail/bodies_begin.hpp>
 #include <string_view>
 
+#include <stagejit/core/config.hpp>
 #include <stagejit/ir/kinds.hpp>
 #include <stagejit/ops/op_schema.hpp>
 
@@ -42,17 +45,7 @@ inline bool is_fusion_ref(std::string_view name, std::string_view prefix) {
 
 /// Whether the identifier `name` in a node's kind position reads as something other than
 /// an op of that very name (an alias, another kind, a namespace the parser strips...).
-inline bool is_reserved_op_word(std::string_view name) {
-  for (std::string_view ns : ir_namespaces)
-    if (name.substr(0, ns.size()) == ns) return true;
-  for (const OpAlias& a : op_aliases)
-    if (a.from == name) return true;
-  if (name == "CppOp" || name == "If" || name == "Loop") return true;
-  if (is_fusion_ref(name, "fusion_group_") || is_fusion_ref(name, "FusionGroup_")) return true;
-  bool kind = false;
-  boost::hana::for_each(kind_names, [&](auto pair) { kind = kind || boost::hana::second(pair) == name; });
-  return kind;
-}
+STAGEJIT_FUNC bool is_reserved_op_word(std::string_view name);
 
 }  // namespace stagejit::ir::detail
 #include <stagejit/core/detail/bodies_end.hpp>
