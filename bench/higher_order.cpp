@@ -109,6 +109,7 @@ bool run_workload(ho::Workload& w, int rounds, int warmup, Summary& sum) {
   }
   std::printf("; %s (<= %.0e)\n", ok ? "passed" : "FAILED", tol);
 
+  const auto st0 = sj::fusion::default_cpu_backend().stats();
   std::vector<double> times[kModes];
   for (int r = 0; r < warmup + rounds; ++r)
     for (std::size_t k = 0; k < kModes; ++k) {
@@ -116,6 +117,12 @@ bool run_workload(ho::Workload& w, int rounds, int warmup, Summary& sum) {
       const double ms = sj::bench::once_ms([&] { (void)w.step(ho::kModes[m]); });
       if (r >= warmup) times[m].push_back(ms);
     }
+  {
+    const auto st1 = sj::fusion::default_cpu_backend().stats();
+    std::printf("  DEV kernels during timed rounds: compiles %lld, kernels %lld, disk hits %lld, memory hits %lld\n",
+                (long long)(st1.compiles - st0.compiles), (long long)(st1.kernels_compiled - st0.kernels_compiled),
+                (long long)(st1.disk_hits - st0.disk_hits), (long long)(st1.memory_hits - st0.memory_hits));
+  }
   double med[kModes];
   for (std::size_t m = 0; m < kModes; ++m) med[m] = median(times[m]);
 

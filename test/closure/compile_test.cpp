@@ -306,6 +306,37 @@ TEST_SUITE("closure") {
     CHECK(failures == 0);
   }
 
+  // Note [Least recently used sizes] (core/memory/host_allocator.hpp): a full cache makes
+  // room for the size in use by releasing the sizes used least recently; it used to
+  // release the block just freed, so every later tensor of a new size was mapped again.
+  TEST_CASE("memory: a full host cache releases the sizes used least recently, not the size in use") {
+    auto& cache = sj::memory::HostCachingAllocator::get();
+    const std::size_t saved_capacity = cache.capacity();
+    cache.empty_cache();
+    cache.set_capacity(std::size_t{4} << 20);  // 4 MiB
+    auto block = [](int64_t doubles) { return sj::memory::empty_cached({doubles}, at::kDouble); };
+    {
+      // Fill the cache with 1 MiB blocks of a size that is then never asked for again.
+      std::vector<at::Tensor> old;
+      for (int i = 0; i < 4; ++i) old.push_back(block(131072));
+    }
+    CHECK(cache.stats().cached_bytes == (std::size_t{4} << 20));
+    // A new size, freed and asked for again call after call, is served from the cache.
+    (void)block(65536);  // 512 KiB: a miss, then freed into the full cache
+    const auto before = cache.stats();
+    for (int i = 0; i < 10; ++i) (void)block(65536);
+    const auto after = cache.stats();
+    CHECK(after.hits - before.hits == 10);
+    CHECK(after.misses == before.misses);
+    CHECK(after.cached_bytes <= cache.capacity());
+    // A block larger than the whole capacity goes back to the system.
+    (void)block(1 << 20);  // 8 MiB
+    CHECK(cache.stats().cached_bytes <= cache.capacity());
+    cache.set_capacity(0);
+    CHECK(cache.stats().cached_bytes == 0);
+    cache.set_capacity(saved_capacity);
+  }
+
   TEST_CASE("memory: captured tensors are freed when outputs are dropped (backward or not)") {
     auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
       return {sj::sum(sj::tanh(in[0]) * sj::exp(in[0]))};

@@ -13,8 +13,18 @@
 /// caching allocator does for device memory (and c10's mobile `CPUCachingAllocator` with
 /// its thread-local guard does for CPU); smaller requests go to c10's default CPU
 /// allocator (glibc's heap serves them well). The cache holds at most `capacity()` bytes of
-/// free blocks (default 1 GiB, `$STAGEJIT_HOST_CACHE_MB`, a non-negative integer); beyond
-/// it freed blocks go back to the system. `empty_cache()` releases every free block.
+/// free blocks (default 1 GiB, `$STAGEJIT_HOST_CACHE_MB`, a non-negative integer); a block
+/// freed into a full cache makes room by releasing the free blocks of the sizes used least
+/// recently (Note [Least recently used sizes]), and goes back to the system itself only
+/// when those are not enough. `empty_cache()` releases every free block.
+///
+/// Note [Least recently used sizes]: a process that ran large shapes first (a big
+/// evaluation batch, or another model: bench/higher_order runs nine in one process) fills
+/// the cache with blocks of sizes it no longer asks for. Releasing the newly freed block
+/// instead, as the cache first did, then unmapped and mapped again every tensor of the
+/// shapes in use, call after call: the MAML step in double ran at 0.44x libtorch after the
+/// other workloads and 1.35x alone (bench/higher_order.md). Each size keeps the tick of its
+/// last hit or free; a full cache releases whole sizes, oldest tick first.
 ///
 /// Who allocates from it: `empty_cached` (always), and, once `install_host_cache()` has
 /// run (`compile()` does it unless `CompileOptions::cache_host_memory` is off), every CPU
@@ -37,11 +47,13 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstdlib>
+#include <cstdint>
 #include <iterator>
 #include <limits>
 #include <mutex>
 #include <new>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace stagejit::memory {
@@ -81,8 +93,8 @@ class HostCachingAllocator final : public c10::Allocator {
     std::vector<std::pair<void*, std::size_t>> release;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      for (auto& [size, blocks] : free_)
-        for (void* p : blocks) release.emplace_back(p, size);
+      for (auto& [size, cls] : free_)
+        for (void* p : cls.blocks) release.emplace_back(p, size);
       free_.clear();
       stats_.cached_bytes = 0;
     }
@@ -100,15 +112,7 @@ class HostCachingAllocator final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       capacity_ = bytes;
-      for (auto it = free_.begin(); it != free_.end() && stats_.cached_bytes > capacity_;) {
-        auto& blocks = it->second;
-        while (!blocks.empty() && stats_.cached_bytes > capacity_) {
-          release.emplace_back(blocks.back(), it->first);
-          blocks.pop_back();
-          stats_.cached_bytes -= it->first;
-        }
-        it = blocks.empty() ? free_.erase(it) : std::next(it);
-      }
+      evict_until(0, nullptr, release);
     }
     for (auto [p, size] : release) release_block(p, size);
   }
@@ -137,11 +141,12 @@ class HostCachingAllocator final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = free_.find(size);
-      if (it != free_.end() && !it->second.empty()) {
+      if (it != free_.end() && !it->second.blocks.empty()) {
         // Recorded as live before it leaves the free list: a throwing insert loses nothing.
-        live_.insert_or_assign(it->second.back(), size);
-        ptr = it->second.back();
-        it->second.pop_back();
+        live_.insert_or_assign(it->second.blocks.back(), size);
+        ptr = it->second.blocks.back();
+        it->second.blocks.pop_back();
+        it->second.last_use = ++tick_;
         stats_.cached_bytes -= size;
         ++stats_.hits;
         stats_.in_use_bytes += size;
@@ -204,6 +209,8 @@ class HostCachingAllocator final : public c10::Allocator {
   // Returns false when `ptr` is not a block of this allocator.
   bool recycle(void* ptr) {
     std::size_t size = 0;
+    bool kept = false;
+    std::vector<std::pair<void*, std::size_t>> release;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = live_.find(ptr);
@@ -211,22 +218,55 @@ class HostCachingAllocator final : public c10::Allocator {
       size = it->second;
       live_.erase(it);
       stats_.in_use_bytes -= size;
-      if (stats_.cached_bytes + size <= capacity_) {
+      if (size <= capacity_) {
         try {
-          free_[size].push_back(ptr);
-          stats_.cached_bytes += size;
-          return true;
+          // Room first (Note [Least recently used sizes]), then the block.
+          if (stats_.cached_bytes + size > capacity_) evict_until(size, &size, release);
+          if (stats_.cached_bytes + size <= capacity_) {
+            SizeClass& cls = free_[size];
+            cls.blocks.push_back(ptr);
+            cls.last_use = ++tick_;
+            stats_.cached_bytes += size;
+            kept = true;
+          }
         } catch (...) {
           // No memory for the free list: release the block instead.
         }
       }
     }
-    release_block(ptr, size);
+    for (auto [p, n] : release) release_block(p, n);
+    if (!kept) release_block(ptr, size);
     return true;
   }
 
+  // Moves free blocks to `release` until `room` more bytes fit in the capacity, whole
+  // sizes at a time, the least recently used size first (Note [Least recently used
+  // sizes]); never the size `*keep` (the one being freed). Caller holds mutex_.
+  void evict_until(std::size_t room, const std::size_t* keep, std::vector<std::pair<void*, std::size_t>>& release) {
+    while (stats_.cached_bytes + room > capacity_) {
+      auto oldest = free_.end();
+      for (auto it = free_.begin(); it != free_.end(); ++it)
+        if ((!keep || it->first != *keep) && !it->second.blocks.empty() &&
+            (oldest == free_.end() || it->second.last_use < oldest->second.last_use))
+          oldest = it;
+      if (oldest == free_.end()) return;
+      auto& blocks = oldest->second.blocks;
+      while (!blocks.empty() && stats_.cached_bytes + room > capacity_) {
+        release.emplace_back(blocks.back(), oldest->first);
+        blocks.pop_back();
+        stats_.cached_bytes -= oldest->first;
+      }
+      if (blocks.empty()) free_.erase(oldest);
+    }
+  }
+
   mutable std::mutex mutex_;
-  std::unordered_map<std::size_t, std::vector<void*>> free_;  // size -> free blocks
+  struct SizeClass {
+    std::vector<void*> blocks;  // free blocks of this size
+    uint64_t last_use = 0;      // tick_ of the last hit or free of this size
+  };
+  std::unordered_map<std::size_t, SizeClass> free_;  // size -> free blocks
+  uint64_t tick_ = 0;
   std::unordered_map<void*, std::size_t> live_;               // handed out -> size
   std::size_t capacity_ = std::size_t{1} << 30;
   Stats stats_;
