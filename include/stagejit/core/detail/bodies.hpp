@@ -30,6 +30,7 @@
 #include <stagejit/ir/node_semantics-inl.hpp>
 #include <stagejit/fusion/detail/codegen_ops-inl.hpp>
 #include <stagejit/fusion/codegen-inl.hpp>
+#include <stagejit/trace/detail/tracer_impl-inl.hpp>
 #include <stagejit/closure/compile-inl.hpp>
 
 // The macros of ops/detail/ops_impl.hpp stay inside the bodies.
