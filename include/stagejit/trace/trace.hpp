@@ -50,6 +50,7 @@
 /// affected and pay one thread-local pointer check.
 
 #include <stagejit/core/detail/bodies_begin.hpp>
+#include <stagejit/core/config.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/core/error.hpp>
@@ -84,7 +85,7 @@ struct StageInputRef {
 
 class Trace;
 namespace detail {
-inline Trace trace_stages(const traced_fn& fn, const variable_list& inputs, std::size_t k, bool cut);
+STAGEJIT_FUNC Trace trace_stages(const traced_fn& fn, const variable_list& inputs, std::size_t k, bool cut);
 }
 
 /// What the trace saw of one Variable (docs/seed-system.md §2.1 VariableFlags without `volatile`).
@@ -189,7 +190,7 @@ class Trace {
 /// traced values, when `fn` returns no outputs, when an opaque backward runs whose
 /// forward was not traced, and `Error` when `options.derivatives` is negative. Errors
 /// thrown by `fn` propagate unchanged; the thread's hook is restored in every case.
-Trace trace(const traced_fn& fn, const variable_list& inputs, TraceOptions options = {});
+STAGEJIT_FUNC Trace trace(const traced_fn& fn, const variable_list& inputs, TraceOptions options = {});
 
 }  // namespace stagejit
 

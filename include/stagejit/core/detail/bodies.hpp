@@ -30,6 +30,14 @@
 #include <stagejit/ir/node_semantics-inl.hpp>
 #include <stagejit/fusion/detail/codegen_ops-inl.hpp>
 #include <stagejit/fusion/codegen-inl.hpp>
+#include <stagejit/passes/dce-inl.hpp>
+#include <stagejit/passes/peephole-inl.hpp>
+#include <stagejit/passes/cse-inl.hpp>
+#include <stagejit/passes/zeros-inl.hpp>
+#include <stagejit/passes/rematerialize-inl.hpp>
+#include <stagejit/passes/graph_fuser-inl.hpp>
+#include <stagejit/trace/interpret-inl.hpp>
+#include <stagejit/trace/detail/tracer_impl-inl.hpp>
 #include <stagejit/closure/compile-inl.hpp>
 
 // The macros of ops/detail/ops_impl.hpp stay inside the bodies.
