@@ -3,8 +3,8 @@
 /// Build configuration of stagejit's own function bodies (fmt's and toml++'s pattern).
 ///
 /// Most of stagejit is templates and inline functions in headers. The bodies of the
-/// non-template parts (the `-inl.hpp` files of autograd/, ops/ and closure/, listed in
-/// core/detail/bodies.hpp) are built one of two ways:
+/// non-template parts (the `-inl.hpp` files of ir/, autograd/, ops/, fusion/, passes/,
+/// trace/ and closure/, listed in core/detail/bodies.hpp) are built one of two ways:
 ///
 /// - compiled (default; Meson's `stagejit_dep`): one translation unit of the library
 ///   (src/compiled_bodies.cpp) includes the `-inl.hpp` files; users' translation units see
