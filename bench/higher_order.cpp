@@ -24,7 +24,8 @@
 // float|double|both, --engine-threads N, --rounds R, --warmup W, --small (the tests'
 // sizes), --first-call staged|compile-loss (only the first call of that compiled mode of
 // each selected workload, in a fresh kernel cache, and where its time goes; with
-// --warm-cache, in the default cache folder).
+// --warm-cache, in the default cache folder), --only MODE --steps N (after the first
+// round, N steps of that one mode and nothing else: the run to put under `perf record`).
 #include "../examples/cli.hpp"
 #include "../test/support/higher_order.hpp"
 #include "bench_util.hpp"
@@ -50,6 +51,7 @@ constexpr std::size_t kModes = 4;  // ho::kModes: staged, whole-loss, eager, lib
 constexpr std::size_t kLibtorch = 3;
 
 const char* kLabels[kModes] = {"staged compiled", "whole-loss compiled", "stagejit eager", "libtorch eager"};
+const std::string kOnlyNames[kModes] = {"staged", "whole-loss", "eager", "libtorch"};
 
 double median(std::vector<double> t) {
   std::nth_element(t.begin(), t.begin() + std::ptrdiff_t(t.size() / 2), t.end());
@@ -183,6 +185,13 @@ int main(int argc, char** argv) {
       app, first_call, warm_cache,
       "Only the first call of one compiled mode of each selected workload, in a fresh temporary kernel "
       "cache: its time and where it goes (the backend's counters add up over the workloads)");
+  std::string only;
+  int steps = 200;
+  app.add_option("--only", only,
+                 "After a first step, run only this mode for --steps steps (nothing else timed or checked): "
+                 "the run to put under perf record")
+      ->check(CLI::IsMember(std::vector<std::string>(std::begin(kOnlyNames), std::end(kOnlyNames))));
+  app.add_option("--steps", steps, "Steps of the --only mode")->capture_default_str()->check(CLI::PositiveNumber);
   if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
   if (workloads.empty()) workloads = all;
 
@@ -215,6 +224,22 @@ int main(int argc, char** argv) {
           std::printf("%s, %s: error: %s\n", name.c_str(), dtype_name(dt), e.what());
           return 1;
         }
+      }
+    return 0;
+  }
+
+  if (!only.empty()) {
+    const std::size_t m = std::size_t(std::find(std::begin(kOnlyNames), std::end(kOnlyNames), only) -
+                                      std::begin(kOnlyNames));
+    for (at::ScalarType dt : dtypes)
+      for (const auto& name : workloads) {
+        auto w = ho::make_workload(name, dt, small);
+        (void)w->step(ho::kModes[m]);
+        sj::fusion::default_cpu_backend().wait_for_prefetches();
+        std::vector<double> t;
+        for (int i = 0; i < steps; ++i) t.push_back(sj::bench::once_ms([&] { (void)w->step(ho::kModes[m]); }));
+        std::printf("%s, %s, %s only: %d steps, median %.3f ms\n", name.c_str(), dtype_name(dt), kLabels[m], steps,
+                    median(t));
       }
     return 0;
   }
