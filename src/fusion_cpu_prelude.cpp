@@ -95,12 +95,79 @@ inline Vec<float> erf(const Vec<float>& x) {
 }
 inline Vec<double> erf(const Vec<double>& x) { return x.erf(); }
 
+/// Whether the bool lanes of a whole contiguous vector convert with vector instructions
+/// (bool_lanes_load / bool_lanes_store below): float and double compute types on AVX-512
+/// or AVX2. Masks (leaky ReLU's and ReLU's `x > 0`, saved for the backward stages) are
+/// bool tensors; converting them one element at a time made the kernels that read or
+/// write them 3-4x slower than their float arithmetic (bench/higher_order.md).
+template <class T>
+inline constexpr bool kBoolLanes =
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    std::is_same_v<T, float> || std::is_same_v<T, double>;
+#else
+    false;
+#endif
+
+/// The Vec<T>::size() bools at `p` (bytes 0 or 1) as T lanes 0 or 1.
+template <class T>
+inline Vec<T> bool_lanes_load(const bool* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));  // 16 bytes
+    return Vec<T>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));
+  } else {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));  // 8 bytes
+    return Vec<T>(_mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(b)));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));  // 8 bytes
+    return Vec<T>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
+  } else {
+    int32_t w;
+    std::memcpy(&w, p, 4);  // 4 bytes
+    return Vec<T>(_mm256_cvtepi32_pd(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(w))));
+  }
+#else
+  alignas(64) T buf[Vec<T>::size()];
+  for (int64_t k = 0; k < Vec<T>::size(); ++k) buf[k] = static_cast<T>(p[k]);
+  return Vec<T>::loadu(buf);
+#endif
+}
+
+/// Stores the Vec<T>::size() lanes of `v` as bools at `p`: true where a lane is not 0
+/// (NaN included), as static_cast<bool> does.
+template <class T>
+inline void bool_lanes_store(const Vec<T>& v, bool* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    const __mmask16 m = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_maskz_set1_epi8(m, 1));
+  } else {
+    const __mmask8 m = _mm512_cmp_pd_mask(v, _mm512_setzero_pd(), _CMP_NEQ_UQ);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_maskz_set1_epi8(__mmask16(m), 1));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  int m;
+  if constexpr (std::is_same_v<T, float>) m = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_NEQ_UQ));
+  else m = _mm256_movemask_pd(_mm256_cmp_pd(v, _mm256_setzero_pd(), _CMP_NEQ_UQ));
+  for (int k = 0; k < Vec<T>::size(); ++k) p[k] = (m >> k) & 1;
+#else
+  alignas(64) T buf[Vec<T>::size()];
+  v.store(buf);
+  for (int64_t k = 0; k < Vec<T>::size(); ++k) p[k] = static_cast<bool>(buf[k]);
+#endif
+}
+
 /// Loads `count` (<= Vec<T>::size()) elements of storage type S at stride `s`,
 /// converted to T. Unused lanes are zero.
 template <class T, class S>
 inline Vec<T> load(const S* p, int64_t s, int64_t count) {
   if constexpr (std::is_same_v<S, T>) {
     if (s == 1) return Vec<T>::loadu(p, count);
+  }
+  if constexpr (std::is_same_v<S, bool> && kBoolLanes<T>) {
+    if (s == 1 && count == Vec<T>::size()) return bool_lanes_load<T>(p);
   }
   if (s == 0) return Vec<T>(static_cast<T>(*p));
   alignas(64) T buf[Vec<T>::size()] = {};
@@ -114,6 +181,12 @@ inline void store(const Vec<T>& v, S* p, int64_t s, int64_t count) {
   if constexpr (std::is_same_v<S, T>) {
     if (s == 1) {
       v.store(p, static_cast<int>(count));
+      return;
+    }
+  }
+  if constexpr (std::is_same_v<S, bool> && kBoolLanes<T>) {
+    if (s == 1 && count == Vec<T>::size()) {
+      bool_lanes_store<T>(v, p);
       return;
     }
   }
