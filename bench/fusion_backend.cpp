@@ -3,6 +3,7 @@
 // plain scalar loop compiled by the same backend, and libtorch eager; prints times and
 // ratios measured in this run. Not part of the test suite.
 #include <stagejit/fusion/cpu_backend.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

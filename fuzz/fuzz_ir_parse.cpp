@@ -14,6 +14,7 @@
 
 #include <ATen/Parallel.h>
 #include <stagejit/ir/ir.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include "fuzz_common.hpp"
 

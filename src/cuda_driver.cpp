@@ -6,6 +6,7 @@
 
 #include <stagejit/core/error.hpp>
 #include <stagejit/fusion/cuda_backend.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include <algorithm>
 #include <string>

@@ -21,6 +21,7 @@
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/memory/host_allocator.hpp>
 #include <stagejit/ops/ops.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include <c10/util/Exception.h>
 

@@ -2,6 +2,7 @@
 #include <stagejit/core/error.hpp>
 #include <stagejit/fusion/cpu_backend.hpp>
 #include <stagejit/fusion/detail/build_once.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include <ATen/Parallel.h>
 #include <c10/util/hash.h>

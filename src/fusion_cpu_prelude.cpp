@@ -1,5 +1,6 @@
 // The C++ prelude of generated CPU kernels (see include/stagejit/fusion/cpu_backend.hpp).
 #include <stagejit/fusion/cpu_backend.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 namespace stagejit::fusion {
 

@@ -6,6 +6,7 @@
 #include <stagejit/fusion/cpu_backend.hpp>
 #include <stagejit/fusion/cuda_backend.hpp>
 #include <stagejit/fusion/detail/build_once.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include <c10/util/hash.h>
 

@@ -1,5 +1,6 @@
 // The CUDA C++ prelude of generated CUDA kernels (see include/stagejit/fusion/cuda_backend.hpp).
 #include <stagejit/fusion/cuda_backend.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 namespace stagejit::fusion {
 

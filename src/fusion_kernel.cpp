@@ -2,6 +2,7 @@
 #include <stagejit/core/error.hpp>
 #include <stagejit/fusion/kernel_spec.hpp>
 #include <stagejit/fusion/tensor_args.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include <ATen/MemoryOverlap.h>
 

@@ -1,4 +1,5 @@
 #include <stagejit/core/version.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 namespace stagejit {
 

@@ -11,6 +11,7 @@
 
 #include "child.hpp"
 #include <stagejit/fusion/codegen.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 #include "fusion/ptx_check.hpp"
 
 #include <cstdio>

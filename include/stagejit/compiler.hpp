@@ -6,7 +6,6 @@
 /// non-template bodies are inline here: a translation unit including this header compiles
 /// the parts it calls.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/stagejit.hpp>
 #include <stagejit/trace/trace.hpp>
 #include <stagejit/trace/interpret.hpp>
@@ -23,4 +22,5 @@
 #include <stagejit/fusion/cuda_backend.hpp>
 #include <stagejit/fusion/codegen.hpp>
 #include <stagejit/closure/autograd_closure.hpp>
-#include <stagejit/core/detail/bodies_end.hpp>
+// Header-only builds (STAGEJIT_HEADER_ONLY): the function bodies, once.
+#include <stagejit/implementation.hpp>

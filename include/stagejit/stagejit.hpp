@@ -15,7 +15,6 @@
 /// `stagejit_distributed_dep`, built only where libgloo-dev is found); code that uses it
 /// includes those headers itself.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/aten_error.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/scalar.hpp>
@@ -35,4 +34,5 @@
 #include <stagejit/ops/small_gemm.hpp>
 #include <stagejit/core/arg_spec.hpp>
 #include <stagejit/closure/compile.hpp>
-#include <stagejit/core/detail/bodies_end.hpp>
+// Header-only builds (STAGEJIT_HEADER_ONLY): the function bodies, once.
+#include <stagejit/implementation.hpp>

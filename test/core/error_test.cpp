@@ -2,6 +2,7 @@
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/scalar.hpp>
 #include <stagejit/testing/doctest.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 namespace sj = stagejit;
 

@@ -5,6 +5,7 @@
 // timeout too short are named as such.
 #include <stagejit/distributed/process_group.hpp>
 #include <stagejit/testing/doctest.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include "../child.hpp"
 

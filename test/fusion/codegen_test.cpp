@@ -5,6 +5,7 @@
 #include <stagejit/fusion/codegen.hpp>
 #include <stagejit/ir/ir.hpp>
 #include <stagejit/testing/doctest.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include "check_close.hpp"
 #include "groups.hpp"

@@ -4,6 +4,7 @@
 #include <stagejit/fusion/cuda_backend.hpp>
 #include <stagejit/fusion/tensor_args.hpp>
 #include <stagejit/testing/doctest.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include "../child.hpp"
 #include "check_close.hpp"

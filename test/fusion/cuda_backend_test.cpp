@@ -2,6 +2,7 @@
 // compared with libtorch eager on the CPU. Skipped (reported by doctest) without a GPU.
 #include <stagejit/fusion/cuda_backend.hpp>
 #include <stagejit/testing/doctest.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include "kernels.hpp"
 

@@ -4,6 +4,7 @@
 #include <stagejit/ir/ir.hpp>
 #include <stagejit/passes/graph_fuser.hpp>
 #include <stagejit/testing/doctest.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include <map>
 #include <string>

@@ -3,6 +3,7 @@
 
 #include <stagejit/fusion/codegen.hpp>
 #include <stagejit/ir/printer.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include <cstdio>
 #include <cstdlib>

@@ -6,3 +6,4 @@
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
 #include <stagejit/ir/type.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies

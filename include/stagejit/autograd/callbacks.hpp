@@ -12,7 +12,6 @@
 /// `CallState`, passed to `execute` beside the tables. So a call copies nothing and one
 /// table serves several threads at once.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 
 #include <cstddef>
@@ -100,4 +99,3 @@ bool run_callback(const CallbackPolicy& policy, Function& fn, variable_list& inp
                   variable_list* outputs, CallState* state);
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

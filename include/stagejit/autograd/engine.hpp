@@ -9,7 +9,6 @@
 /// (set to `create_graph`) and the calling thread's trace hook are installed on every
 /// thread that runs a function of the task. Compiled in src/engine.cpp.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/callbacks.hpp>
 #include <stagejit/autograd/variable.hpp>
 
@@ -92,4 +91,3 @@ OutputSink early_output_sink(const Function& self);
 }  // namespace engine
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -3,7 +3,6 @@
 /// Eval: replacing an autograd subgraph by one opaque Function (docs/seed-system.md §2.3, general
 /// case). The backward of an Eval, run with create_graph, is again an Eval.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/variable.hpp>
 
@@ -26,4 +25,3 @@ std::shared_ptr<Function> wrap(const variable_list& inputs, const variable_list&
 std::shared_ptr<Function> backward_eval(const variable_list& outputs);
 
 }  // namespace stagejit::eval
-#include <stagejit/core/detail/bodies_end.hpp>

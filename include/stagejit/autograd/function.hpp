@@ -8,7 +8,6 @@
 /// EvalPlaceholder, Output, EmitNull, OpCall, AtenCall, HostCall, WrapConstant,
 /// ConstantFactory, FusedKernel and ClosureFunction (type-erased closure).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/callbacks.hpp>
 #include <stagejit/autograd/saved_variable.hpp>
 #include <stagejit/autograd/variable.hpp>
@@ -184,4 +183,3 @@ inline std::shared_ptr<Function> make_function(FunctionKind k, std::vector<Edge>
 }
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

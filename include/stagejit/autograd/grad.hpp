@@ -3,7 +3,6 @@
 /// `grad()` and `backward()` (docs/api.md "Gradients"), with the meaning of libtorch's
 /// `torch::autograd::grad` / `backward` (retain_graph is always true here).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 
 namespace stagejit {
@@ -27,4 +26,3 @@ void backward(const variable_list& outputs, const variable_list& grad_outputs = 
               bool create_graph = false);
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -4,7 +4,6 @@
 /// Follows libtorch's `GradMode` / `NoGradGuard`. The engine propagates the mode of the
 /// thread that calls `execute` to every thread running that graph task's functions.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 namespace stagejit {
 
 /// Thread-local grad mode (default: enabled).
@@ -36,4 +35,3 @@ class NoGradGuard : public AutoGradMode {
 };
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -27,7 +27,6 @@
 /// forward takes strings as `std::string` / `const std::string&` (a `const char*`
 /// parameter is refused by a static_assert).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/autograd/saved_variable.hpp>
@@ -290,4 +289,3 @@ struct HostFunction {
 };
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

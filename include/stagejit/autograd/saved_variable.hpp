@@ -8,7 +8,6 @@
 /// version counter (`at::Tensor::_version()`, bumped by every in-place ATen op on it or
 /// a view of it) is recorded when saved and compared on unpack.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 
 #include <cstddef>
@@ -45,4 +44,3 @@ class SavedVariable {
 };
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -5,7 +5,6 @@
 /// thread-local, and the engine propagates the hook of the thread calling `execute` to
 /// every thread running that graph task, so ops of backward formulas are reported too.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/ops/op_schema.hpp>
 #include <stagejit/core/scalar.hpp>
@@ -87,4 +86,3 @@ class MetaTraceScope {
 };
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -5,7 +5,6 @@
 /// are the same variable (`impl_id()` is equal). docs/api.md, "Variable"; the design follows
 /// libtorch's `torch::autograd::Variable` (pre-1.0: a wrapper holding the grad_fn edge).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -136,4 +135,3 @@ class Variable {
 };
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -30,7 +30,6 @@
 ///   libtorch refuses a saved variable modified in place. A gradient fed to stage k >= 1
 ///   in another dtype than traced is cast to the traced dtype, as libtorch casts it.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/engine.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
@@ -571,4 +570,3 @@ inline std::vector<variable_list> run_stages(std::shared_ptr<const MultiStageClo
 }
 
 }  // namespace stagejit::closure
-#include <stagejit/core/detail/bodies_end.hpp>

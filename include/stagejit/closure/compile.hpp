@@ -15,7 +15,6 @@
 /// them) are compiled once, in closure/compile-inl.hpp (core/config.hpp), so a
 /// translation unit calling `compile()` does not compile the compiler.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/core/config.hpp>
 
@@ -158,4 +157,3 @@ inline CompiledFunction compile(traced_fn fn, CompileOptions options = {}) {
 }
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -12,7 +12,6 @@
 /// the slots still needed at a stage > s (and nothing else); stage t reads the slots it
 /// uses from that environment (previous-stage inputs).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/printer.hpp>
@@ -143,4 +142,3 @@ class CrossStagePlan {
 };
 
 }  // namespace stagejit::closure
-#include <stagejit/core/detail/bodies_end.hpp>

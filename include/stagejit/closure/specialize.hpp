@@ -27,7 +27,6 @@
 /// Variants are built on first use and cached per key by the `MultiStageClosure`; the
 /// all-defined, all-needed, capturing key is the full stage itself.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/closure/plan.hpp>
 #include <stagejit/closure/stage_closure.hpp>
 #include <stagejit/core/error.hpp>
@@ -256,4 +255,3 @@ inline std::shared_ptr<const StageVariant> build_stage_variant(
 }
 
 }  // namespace stagejit::closure
-#include <stagejit/core/detail/bodies_end.hpp>

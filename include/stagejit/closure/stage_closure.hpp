@@ -18,7 +18,6 @@
 /// unused outputs go through Replicate (a Function has one edge per output, and the
 /// engine sums what meets at one input).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/callbacks.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
@@ -429,4 +428,3 @@ struct StageClosure {
 };
 
 }  // namespace stagejit::closure
-#include <stagejit/core/detail/bodies_end.hpp>

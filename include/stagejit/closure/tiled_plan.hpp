@@ -49,7 +49,6 @@
 /// cannot read make the region run its nodes one by one as the untiled closure would
 /// (`TiledRegionRunner::run_untiled`: same results, same errors).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/closure/plan.hpp>
 #include <stagejit/core/scalar.hpp>
 #include <stagejit/ir/attributes.hpp>
@@ -356,4 +355,3 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
 }
 
 }  // namespace stagejit::closure
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -11,7 +11,6 @@
 /// the parts in double, which is at least as accurate as one pass over all rows; a lone
 /// elementwise op runs the fusion backend's formula (its tanh, exp) instead of ATen's.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/closure/plan.hpp>
 #include <stagejit/closure/tiled_plan.hpp>
@@ -664,4 +663,3 @@ class TiledRegionRunner {
 };
 
 }  // namespace stagejit::closure
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -5,7 +5,6 @@
 /// on an argument spec, which retraces on a new spec instead of throwing). Two calls with
 /// equal specs can share one compiled closure.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
 #include <cstddef>
@@ -83,4 +82,3 @@ struct ArgSpecHash {
 };
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

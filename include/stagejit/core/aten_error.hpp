@@ -3,7 +3,6 @@
 /// ATen's errors as stagejit errors: `rethrow_aten_error` throws the stagejit class of a
 /// `c10::Error`'s kind, by the mapping in core/error.hpp ("ATen errors").
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 
 #include <c10/util/Exception.h>
@@ -46,4 +45,3 @@ inline AtenErrorKind classify_aten_error(const c10::Error& e) {
 }
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

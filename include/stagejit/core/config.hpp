@@ -11,8 +11,9 @@
 ///   only declarations, so they build fast;
 /// - header-only (`STAGEJIT_HEADER_ONLY` defined; Meson's `stagejit_header_only_dep`, or
 ///   `-Dheader_only=true` for stagejit's own tests): every function body is `inline` and
-///   the first stagejit header a translation unit includes pulls the `-inl.hpp` files in
-///   at its end (core/detail/bodies_begin.hpp and bodies_end.hpp). Only the shim (src/:
+///   `stagejit/implementation.hpp` includes the `-inl.hpp` files; the umbrella headers
+///   (`stagejit/stagejit.hpp`, `stagejit/compiler.hpp`) include it at their end, and a
+///   translation unit that includes only narrower headers includes it itself. Only the shim (src/:
 ///   the threaded engine, the CPU kernel compiler/loader, the CUDA launcher) is linked.
 ///
 /// `STAGEJIT_FUNC` marks a function defined in an `-inl.hpp` file.

@@ -23,7 +23,6 @@
 /// (`"addmm_impl_cpu_" not implemented for 'Half'`, `expected scalar type Float but found
 /// Double`) as a plain `c10::Error`.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <cstddef>
 #include <sstream>
 #include <stdexcept>
@@ -158,4 +157,3 @@ template <class E, class... Args>
           "` failed at " __FILE__ ":", __LINE__, ": " __VA_OPT__(, ) __VA_ARGS__); \
   } while (false)
 #endif
-#include <stagejit/core/detail/bodies_end.hpp>

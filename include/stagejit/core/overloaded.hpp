@@ -5,7 +5,6 @@
 /// written as such an overload set without a catch-all, so adding a kind is a compile
 /// error at every visitor until it is handled.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 namespace stagejit {
 
 template <class... F>
@@ -16,4 +15,3 @@ template <class... F>
 Overloaded(F...) -> Overloaded<F...>;
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

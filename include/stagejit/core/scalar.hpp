@@ -3,7 +3,6 @@
 /// `Scalar`: the non-tensor arguments of ops and host functions, and `Attributes`,
 /// the named scalar arguments an op carries into the IR (`alpha`, `dim`, `other`, ...).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -28,4 +27,3 @@ using Scalar = std::variant<double, int64_t, bool, std::string, std::vector<int6
 using Attributes = std::vector<std::pair<std::string, Scalar>>;
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -15,7 +15,6 @@
 ///   (0 from 2.14, 1 before: ops/op_table-inl.hpp); CPU `mm` in Half (refused by 1.13,
 ///   computed by 2.x: a test expectation only).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <c10/core/Allocator.h>
 #include <torch/version.h>
 
@@ -34,4 +33,3 @@
 #define STAGEJIT_ALLOCATE_CONST const
 #define STAGEJIT_ALLOCATOR_COPY_DATA
 #endif
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -7,7 +7,6 @@
 #define STAGEJIT_VERSION_PATCH 0
 #define STAGEJIT_VERSION_STRING "0.1.0"
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 namespace stagejit {
 
 /// The version of the compiled shim this program links, e.g. `"0.1.0"`. Comparing it
@@ -15,4 +14,3 @@ namespace stagejit {
 const char* version_string() noexcept;
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

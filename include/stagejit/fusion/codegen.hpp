@@ -30,7 +30,6 @@
 /// This header declares; the bodies (the generator, the planner and the runners) are in
 /// fusion/codegen-inl.hpp, compiled once (core/config.hpp).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/config.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/fusion/cpu_backend.hpp>
@@ -381,4 +380,3 @@ class FusedGroup {
 };
 
 }  // namespace stagejit::fusion
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -42,7 +42,6 @@
 ///           });
 ///     }
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/fusion/kernel_spec.hpp>
 #include <stagejit/fusion/tensor_args.hpp>
@@ -177,4 +176,3 @@ class CpuBackend {
 CpuBackend& default_cpu_backend();
 
 }  // namespace stagejit::fusion
-#include <stagejit/core/detail/bodies_end.hpp>

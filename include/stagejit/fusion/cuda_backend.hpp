@@ -24,7 +24,6 @@
 ///     }
 /// The 2017 fusion compiler (docs/seed-system.md §5.2) is the model: NVRTC to PTX, driver-API launch.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/fusion/kernel_spec.hpp>
 #include <stagejit/fusion/tensor_args.hpp>
@@ -169,4 +168,3 @@ class CudaBuffer {
 void cuda_synchronize(int device = 0);
 
 }  // namespace stagejit::fusion
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -31,7 +31,6 @@
 /// Follows the TensorInfo/grid-stride design of the 2017 fusion compiler (docs/seed-system.md §5.2),
 /// extended with 64-bit indices, broadcasting and CPU kernels.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -97,4 +96,3 @@ struct KernelSource {
 };
 
 }  // namespace stagejit::fusion
-#include <stagejit/core/detail/bodies_end.hpp>

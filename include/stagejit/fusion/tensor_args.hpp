@@ -4,7 +4,6 @@
 /// `TensorArg`s over one iteration shape, broadcasting inputs with stride 0 and merging
 /// dimensions that are contiguous in every tensor so that kernels see few, long rows.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/fusion/kernel_spec.hpp>
 
@@ -38,4 +37,3 @@ struct PackedArgs {
 PackedArgs pack_tensor_args(at::IntArrayRef shape, at::TensorList inputs, at::TensorList outputs);
 
 }  // namespace stagejit::fusion
-#include <stagejit/core/detail/bodies_end.hpp>

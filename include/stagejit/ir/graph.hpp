@@ -18,7 +18,6 @@
 /// This header declares; the bodies of the longer members are in ir/graph-inl.hpp
 /// (core/config.hpp).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/SmallVector.h>
@@ -528,4 +527,3 @@ TEST_SUITE("ir") {
   }
 }
 #endif
-#include <stagejit/core/detail/bodies_end.hpp>

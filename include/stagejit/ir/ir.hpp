@@ -2,7 +2,6 @@
 /// \file
 /// The whole IR: types, attributes, node kinds, Graph/Node/Value, lint, printer, parser.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/ir/attributes.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
@@ -10,4 +9,3 @@
 #include <stagejit/ir/parser.hpp>
 #include <stagejit/ir/printer.hpp>
 #include <stagejit/ir/type.hpp>
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -11,7 +11,6 @@
 ///
 /// `kind_equal`'s body is in ir/kinds-inl.hpp (core/config.hpp).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 #include <boost/hana.hpp>
 
@@ -208,4 +207,3 @@ TEST_SUITE("ir") {
   }
 }
 #endif
-#include <stagejit/core/detail/bodies_end.hpp>

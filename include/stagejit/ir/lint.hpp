@@ -44,7 +44,6 @@
 /// This header declares `lint`; the checks (`detail::Linter`) are in ir/lint-inl.hpp
 /// (core/config.hpp), compiled once with the other function bodies.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <algorithm>
 #include <optional>
 #include <string>
@@ -89,4 +88,3 @@ struct LintOptions {
 STAGEJIT_FUNC void lint(const Graph& graph, LintOptions options = {});
 
 }  // namespace stagejit::ir
-#include <stagejit/core/detail/bodies_end.hpp>

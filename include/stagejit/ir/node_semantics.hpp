@@ -20,7 +20,6 @@
 ///
 /// The longer functions' bodies are in ir/node_semantics-inl.hpp (core/config.hpp).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/config.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/overloaded.hpp>
@@ -60,4 +59,3 @@ inline constexpr bool is_pure_kind =
 STAGEJIT_FUNC std::vector<at::Tensor> run_pure(const ir::Node& n, const std::vector<at::Tensor>& in);
 
 }  // namespace stagejit::semantics
-#include <stagejit/core/detail/bodies_end.hpp>

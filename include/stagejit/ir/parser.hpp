@@ -16,7 +16,6 @@
 /// This header declares `parse`; the grammar (`detail::Parser`) is in ir/parser-inl.hpp
 /// (core/config.hpp), compiled once with the other function bodies.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
 #include <memory>
@@ -38,4 +37,3 @@ namespace stagejit::ir {
 STAGEJIT_FUNC std::shared_ptr<Graph> parse(std::string_view text);
 
 }  // namespace stagejit::ir
-#include <stagejit/core/detail/bodies_end.hpp>

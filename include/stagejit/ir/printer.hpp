@@ -27,7 +27,6 @@
 ///
 /// This header declares; the printer's bodies are in ir/printer-inl.hpp (core/config.hpp).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <cctype>
 #include <ostream>
 #include <string>
@@ -66,4 +65,3 @@ STAGEJIT_FUNC std::string node_label(const Node* n, const detail::NameTable& nam
 STAGEJIT_FUNC std::string node_label(const Node* n);
 
 }  // namespace stagejit::ir
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -16,7 +16,6 @@
 ///
 /// The longer functions' bodies are in ir/type-inl.hpp (core/config.hpp).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
@@ -134,4 +133,3 @@ TEST_SUITE("ir") {
   }
 }
 #endif
-#include <stagejit/core/detail/bodies_end.hpp>

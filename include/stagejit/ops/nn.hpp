@@ -29,7 +29,6 @@
 /// it was traced. Tracing itself does not update them (`compile` traces on a cache miss
 /// and then runs the closure: each call updates once). A compiled closure whose running
 /// tensors were freed throws `Error` when run.
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 
 #include <ATen/ATen.h>
@@ -113,4 +112,3 @@ Variable gather(const Variable& input, int64_t dim, const Variable& index);
 Variable scatter_add(const Variable& input, int64_t dim, const Variable& index, const Variable& src);
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

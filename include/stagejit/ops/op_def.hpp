@@ -8,7 +8,6 @@
 /// Attribute names follow ATen (`alpha`, `other`, `dim`, `keepdim`, `exponent`, ...);
 /// each entry documents its attributes in `attributes`.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/core/scalar.hpp>
 #include <stagejit/ops/op_schema.hpp>
@@ -78,4 +77,3 @@ variable_list apply(const OpDef& op, const variable_list& inputs, const Attribut
 
 }  // namespace ops
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

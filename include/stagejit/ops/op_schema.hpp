@@ -13,7 +13,6 @@
 /// nodes calling the same unknown op compare equal), and cannot be run: the closure
 /// compiler and the interpreter refuse them with a `CompileError` naming the op.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -310,4 +309,3 @@ inline const OpSchema* intern_op(std::string_view name) {
 }
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -7,7 +7,6 @@
 /// `DtypeError` for dtypes (or devices) it rejects, `Error` for other ATen errors and an
 /// undefined input (core/error.hpp, "ATen errors").
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 
 #include <cstdint>
@@ -142,4 +141,3 @@ Variable operator-(const Variable& a);
 // The ops for models (docs/api.md "Ops for models").
 #include <stagejit/ops/nn.hpp>
 #include <stagejit/ops/tensor_ops.hpp>
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -11,7 +11,6 @@
 /// 64 rows (or 256 reduced rows) run them 3-4x faster (bench/pinn.md). Every `mm` and
 /// `addmm` of the op table, eager and compiled, goes through `small_mm` first.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -46,4 +45,3 @@ bool small_mm_raw(const double* a, int64_t a_s0, int64_t a_s1, const double* b, 
 bool small_mm_enabled() noexcept;
 
 }  // namespace stagejit::ops
-#include <stagejit/core/detail/bodies_end.hpp>

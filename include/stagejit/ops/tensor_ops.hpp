@@ -10,7 +10,6 @@
 /// other bad arguments (a dropout probability outside [0, 1], an unknown GELU
 /// approximation). Backward formulas follow libtorch 1.13's tools/autograd/derivatives.yaml
 /// and are written in stagejit ops (ops/tensor_ops-inl.hpp).
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 
 #include <cstdint>
@@ -92,4 +91,3 @@ Variable binary_cross_entropy_with_logits(const Variable& input, const Variable&
 Variable dropout(const Variable& input, double p, bool train);
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

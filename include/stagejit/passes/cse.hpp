@@ -18,7 +18,6 @@
 /// FusionGroup, nodes with a Handle input or output, and nodes with side effects
 /// (`ir::has_side_effects`). FusionGroup subgraphs are processed too.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/config.hpp>
 #include <cstddef>
 #include <functional>
@@ -36,4 +35,3 @@ namespace stagejit::passes {
 STAGEJIT_FUNC size_t eliminate_common_subexpressions(ir::Graph& graph);
 
 }  // namespace stagejit::passes
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -10,7 +10,6 @@
 /// Graph inputs are never removed (they are the signature). FusionGroup subgraphs are
 /// cleaned too (their outputs are all kept). Follows the seed's pass of the same name (docs/seed-system.md §1.8).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/config.hpp>
 #include <stagejit/ir/graph.hpp>
 
@@ -20,4 +19,3 @@ namespace stagejit::passes {
 STAGEJIT_FUNC size_t eliminate_dead_code(ir::Graph& graph);
 
 }  // namespace stagejit::passes
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -38,7 +38,6 @@
 /// whole by every chunk. Needs the sizes of `op`'s output and operands (TensorType);
 /// skipped otherwise. This puts an LSTM cell's gate math into one group per stage.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/config.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ops/op_schema.hpp>
@@ -151,4 +150,3 @@ ir::Node* make_group(ir::Graph& graph, const std::vector<ir::Node*>& members,
 STAGEJIT_FUNC size_t fuse(ir::Graph& graph);
 
 }  // namespace stagejit::passes
-#include <stagejit/core/detail/bodies_end.hpp>

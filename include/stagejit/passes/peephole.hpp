@@ -12,7 +12,6 @@
 /// by `eliminate_dead_code`. Handles are never touched. PyTorch's JIT peephole pass folds
 /// the same pattern.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/config.hpp>
 #include <stagejit/ir/graph.hpp>
 
@@ -23,4 +22,3 @@ namespace stagejit::passes {
 STAGEJIT_FUNC size_t fold_double_transposes(ir::Graph& graph);
 
 }  // namespace stagejit::passes
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -34,7 +34,6 @@
 /// Requires the node list in stage order (every stage's nodes after the earlier
 /// stages'); a graph not in that order is left as it is (returns 0).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/config.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/ir/kinds.hpp>
@@ -57,4 +56,3 @@ namespace stagejit::passes {
 STAGEJIT_FUNC std::size_t rematerialize_cross_stage(ir::Graph& g, int64_t min_elements = 16384);
 
 }  // namespace stagejit::passes
-#include <stagejit/core/detail/bodies_end.hpp>

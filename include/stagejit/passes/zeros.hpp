@@ -32,7 +32,6 @@
 /// `CompileError` naming the value otherwise (the caller then keeps the unspecialised
 /// stage).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/config.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/scalar.hpp>
@@ -142,4 +141,3 @@ STAGEJIT_FUNC std::vector<ir::Value*> propagate_zeros(ir::Graph& graph, std::siz
                                                       const ZeroPropagation& hooks = {});
 
 }  // namespace stagejit::passes
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -4,7 +4,6 @@
 /// function again (the IR interpreter and the closure compiler's HostCall use it) and the
 /// requires_grad flag each tensor input had when traced.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
 
 #include <vector>
@@ -18,4 +17,3 @@ struct HostOpPayload {
 };
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

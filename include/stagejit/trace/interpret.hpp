@@ -7,7 +7,6 @@
 /// Function its Handle input holds. It is the simple oracle that the closure compiler
 /// and the fuser are checked against; it is not fast.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/config.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
@@ -44,4 +43,3 @@ namespace stagejit {
 STAGEJIT_FUNC variable_list interpret(const ir::Graph& graph, const variable_list& inputs);
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -49,7 +49,6 @@
 /// single-threaded so the recorded order is deterministic). Ops run elsewhere are not
 /// affected and pay one thread-local pointer check.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/config.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/variable.hpp>
@@ -195,4 +194,3 @@ STAGEJIT_FUNC Trace trace(const traced_fn& fn, const variable_list& inputs, Trac
 }  // namespace stagejit
 
 #include <stagejit/trace/detail/tracer_impl.hpp>
-#include <stagejit/core/detail/bodies_end.hpp>

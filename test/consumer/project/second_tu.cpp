@@ -2,6 +2,7 @@
 // one ops header (not the umbrella), so its inline bodies come in through them.
 #include <stagejit/autograd/grad.hpp>
 #include <stagejit/ops/ops.hpp>
+#include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 const stagejit::OpDef* tanh_entry_from_second_tu() { return &stagejit::ops::def(stagejit::OpId::tanh); }
 

@@ -5,7 +5,6 @@
 /// autograd/variable-inl.hpp, `apply_host_backward` in autograd/host_function-inl.hpp,
 /// `apply_eval` in autograd/eval-inl.hpp.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/variable.hpp>
 
@@ -24,4 +23,3 @@ variable_list apply_host_backward(Function& self, HostBackward& hb, variable_lis
 variable_list apply_eval(Function& self, Eval& ev, variable_list& grads);
 
 }  // namespace stagejit::detail::autograd_impl
-#include <stagejit/core/detail/bodies_end.hpp>

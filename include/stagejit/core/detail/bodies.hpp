@@ -1,7 +1,7 @@
 #pragma once
-// The function bodies of a header-only build (core/config.hpp), included once per
-// translation unit by bodies_end.hpp; the compiled build includes them in
-// src/compiled_bodies.cpp instead.
+// The function bodies of a header-only build (core/config.hpp), included by
+// stagejit/implementation.hpp (itself included at the end of the umbrella headers); the
+// compiled build includes them once, in src/compiled_bodies.cpp.
 #include <stagejit/ir/type-inl.hpp>
 #include <stagejit/ir/detail/literals-inl.hpp>
 #include <stagejit/ir/attributes-inl.hpp>

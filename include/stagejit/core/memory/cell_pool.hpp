@@ -5,7 +5,6 @@
 /// `BlockCache` keeps the full-size blocks of dying graphs for the next ones (Note [Pool
 /// block cache]). Memory utilities only: they know nothing of the IR.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
@@ -182,4 +181,3 @@ class CellPool {
 };
 
 }  // namespace stagejit::memory
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -35,7 +35,6 @@
 /// Blocks are 64-byte aligned like c10's. Thread-safe. The allocator objects are never
 /// destroyed (tensors may outlive static destructors).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
@@ -343,4 +342,3 @@ inline bool install_host_cache() {
 }
 
 }  // namespace stagejit::memory
-#include <stagejit/core/detail/bodies_end.hpp>

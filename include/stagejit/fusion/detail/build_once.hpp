@@ -6,7 +6,6 @@
 /// for it. A build that throws is remembered: every later request for that key rethrows
 /// the same exception (a source that failed to compile fails again without recompiling).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <future>
 #include <mutex>
 #include <unordered_map>
@@ -46,4 +45,3 @@ Value build_once(std::mutex& mutex, std::unordered_map<Key, std::shared_future<V
 }
 
 }  // namespace stagejit::fusion
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -14,7 +14,6 @@
 /// This header declares; the bodies (the op table of forms among them) are in
 /// fusion/detail/codegen_ops-inl.hpp, compiled once (core/config.hpp).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/config.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/ir/graph.hpp>
@@ -184,4 +183,3 @@ STAGEJIT_FUNC std::string op_expression(const ir::Node& node, const std::vector<
                                         const std::vector<bool>& operand_bool, bool& result_bool, bool cuda = false);
 
 }  // namespace stagejit::fusion::detail
-#include <stagejit/core/detail/bodies_end.hpp>

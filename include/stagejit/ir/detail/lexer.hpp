@@ -7,7 +7,6 @@
 /// token sequences (a CppOp's C++ type name, a `scope:` path, a tensor dump) with the raw
 /// readers below, which work only while no token is peeked.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <algorithm>
 #include <cctype>
 #include <cstddef>
@@ -258,4 +257,3 @@ class Lexer {
 };
 
 }  // namespace stagejit::ir::detail
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -13,7 +13,6 @@
 ///
 /// The longer functions' bodies are in ir/detail/literals-inl.hpp (core/config.hpp).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
 #include <charconv>
@@ -101,4 +100,3 @@ TEST_SUITE("ir") {
   }
 }
 #endif
-#include <stagejit/core/detail/bodies_end.hpp>

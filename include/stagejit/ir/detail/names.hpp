@@ -6,7 +6,6 @@
 ///
 /// The longer members' bodies are in ir/detail/names-inl.hpp (core/config.hpp).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <string>
 #include <unordered_map>
 
@@ -36,4 +35,3 @@ class NameTable {
 };
 
 }  // namespace stagejit::ir::detail
-#include <stagejit/core/detail/bodies_end.hpp>

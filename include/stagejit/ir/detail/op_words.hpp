@@ -11,7 +11,6 @@
 ///
 /// `is_reserved_op_word`'s body is in ir/detail/op_words-inl.hpp (core/config.hpp).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <string_view>
 
 #include <stagejit/core/config.hpp>
@@ -48,4 +47,3 @@ inline bool is_fusion_ref(std::string_view name, std::string_view prefix) {
 STAGEJIT_FUNC bool is_reserved_op_word(std::string_view name);
 
 }  // namespace stagejit::ir::detail
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -49,7 +49,6 @@
 /// `^View((sizes))` when they declare no Handle output. `Transpose` and `Gemm` are node
 /// kinds of their own; `cross`, `threshold`, `select`, `split` are table ops.
 ///
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -369,4 +368,3 @@ inline void check_uses(const Lexer& lex, Graph& g, const std::unordered_map<std:
 }
 
 }  // namespace stagejit::ir::detail::dialects
-#include <stagejit/core/detail/bodies_end.hpp>

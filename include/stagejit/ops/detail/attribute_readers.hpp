@@ -4,7 +4,6 @@
 /// table's forwards and backwards use (ops/op_table-inl.hpp, ops/nn-inl.hpp,
 /// ops/tensor_ops-inl.hpp). Bodies in ops/attribute_readers-inl.hpp (core/config.hpp).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/scalar.hpp>
 
 #include <ATen/core/Scalar.h>
@@ -27,4 +26,3 @@ bool attr_bool(const Attributes& a, std::string_view n, bool dflt);
 std::vector<int64_t> attr_ints(const Attributes& a, std::string_view n);
 
 }  // namespace stagejit::detail::ops_impl
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -6,7 +6,6 @@
 /// of core/detail/bodies.hpp). Bodies in ops/op_table-inl.hpp (`run1`: ops/ops-inl.hpp;
 /// `define_nn_ops`: ops/nn-inl.hpp; `define_tensor_ops`: ops/tensor_ops-inl.hpp).
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/core/scalar.hpp>
 #include <stagejit/ops/detail/attribute_readers.hpp>
@@ -57,4 +56,3 @@ template <class Def> void define_tensor_ops(Def& def);
 #define SJ_UNARY(NAME) [](const Tensors& in, const Attributes&) { return one(at::NAME(in[0])); }
 // In an op free function: `d`, the OpDef of the op NAME.
 #define SJ_OP(NAME) const OpDef& d = ops::def(OpId::NAME)
-#include <stagejit/core/detail/bodies_end.hpp>

@@ -2,7 +2,6 @@
 // Implementation of trace() (see trace/trace.hpp). Internal. The bodies of the members
 // below, of `detail::trace_stages` and of `trace()` are in detail/tracer_impl-inl.hpp.
 
-#include <stagejit/core/detail/bodies_begin.hpp>
 #include <stagejit/core/config.hpp>
 #include <stagejit/trace/trace.hpp>
 #include <stagejit/autograd/engine.hpp>
@@ -175,4 +174,3 @@ struct CrossStagePrune {
 }  // namespace detail
 
 }  // namespace stagejit
-#include <stagejit/core/detail/bodies_end.hpp>
