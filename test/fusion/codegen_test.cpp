@@ -39,15 +39,7 @@ void check_group(const std::string& text, const std::vector<at::Tensor>& inputs)
   }
 }
 
-const std::string tanh_sigmoid = R"(graph(%a : Float(4), %b : Float(4), %c : Float(4)) {
-  %0 : Float(4) = mul(%a, %b);
-  %1 : Float(4) = add[alpha=1](%0, %c);
-  %2 : Float(4) = tanh(%1);
-  %3 : Float(4) = sigmoid(%a);
-  %4 : Float(4) = mul(%2, %3);
-  return (%4);
-}
-)";
+const std::string& tanh_sigmoid = stagejit::fusion::testing::tanh_sigmoid_group;  // groups.hpp
 
 }  // namespace
 
@@ -124,20 +116,7 @@ TEST_SUITE("fusion") {
 
   TEST_CASE("run_fused: comparisons give bool outputs, where/masked_fill read them; scalar forms; pow") {
     at::manual_seed(2);
-    const std::string text = R"(graph(%a : Double(6, 5), %b : Double(5)) {
-  %0 : Bool(6, 5) = gt(%a, %b);
-  %1 : Double(6, 5) = where(%0, %a, %b);
-  %2 : Bool(6, 5) = le[other=0.25](%a);
-  %3 : Double(6, 5) = masked_fill[value=-7](%1, %2);
-  %4 : Double(6, 5) = sub[alpha=2](%3, %b);
-  %5 : Double(6, 5) = pow[exponent=2](%4);
-  %6 : Double(6, 5) = pow[exponent=2.5](%a);
-  %7 : Double(6, 5) = sign(%4);
-  %8 : Double(6, 5) = add[other=3, alpha=0.5](%7);
-  %9 : Bool(6, 5) = logical_and(%0, %2);
-  return (%0, %3, %5, %6, %8, %9);
-}
-)";
+    const std::string text = stagejit::fusion::testing::predicates_head + "  return (%0, %3, %5, %6, %8, %9);\n}\n";
     for (auto dtype : {at::kFloat, at::kDouble}) {
       CAPTURE(dtype);
       auto o = at::TensorOptions().dtype(dtype);
