@@ -262,6 +262,17 @@ sj::CompileOptions options(int derivatives) {
   return o;
 }
 
+/// The PINN step (n = 256, h = 16) measured with the net compiled for 3 derivatives and
+/// CompileOptions::cross_stage_gradients set to `cross_stage_gradients`.
+Measured measure_pinn_staged(bool cross_stage_gradients) {
+  const auto data = pinn_data(256, 16);
+  sj::CompileOptions o = options(3);
+  o.cross_stage_gradients = cross_stage_gradients;
+  auto net = sj::compile(&mlp, o);
+  auto loss = sj::compile(&mlp_loss, options(1));
+  return measure(data, net, loss, sj_step, sj_loss_step, torch_step);
+}
+
 }  // namespace
 
 TEST_SUITE("closure") {
@@ -288,12 +299,7 @@ TEST_CASE("product count: the PINN step's compiled modes do no more product FLOP
 // here, 2 605 056 against 1 777 664 FLOPs. That is the mode chosen for tall inputs with
 // narrow layers, where the repeated sweeps run in row tiles (bench/higher_order.md).
 TEST_CASE("product count: the PINN step staged without cross-stage gradients re-differentiates the forward") {
-  const auto data = pinn_data(256, 16);
-  sj::CompileOptions o = options(3);
-  o.cross_stage_gradients = false;
-  auto net = sj::compile(&mlp, o);
-  auto loss = sj::compile(&mlp_loss, options(1));
-  const Measured m = measure(data, net, loss, sj_step, sj_loss_step, torch_step);
+  const Measured m = measure_pinn_staged(false);
   CHECK(m.staged.calls == 36);
   CHECK(m.staged.flops == doctest::Approx(2605056.0));
   CHECK(m.eager.flops == doctest::Approx(1777664.0));
@@ -303,12 +309,7 @@ TEST_CASE("product count: the PINN step staged without cross-stage gradients re-
 // the earlier-stage values it reads and hands their gradients on, so the forward is
 // differentiated once, as libtorch does; its products are eager's.
 TEST_CASE("product count: the PINN step staged with cross-stage gradients does no more product FLOPs than eager") {
-  const auto data = pinn_data(256, 16);
-  sj::CompileOptions o = options(3);
-  o.cross_stage_gradients = true;
-  auto net = sj::compile(&mlp, o);
-  auto loss = sj::compile(&mlp_loss, options(1));
-  const Measured m = measure(data, net, loss, sj_step, sj_loss_step, torch_step);
+  const Measured m = measure_pinn_staged(true);
   CHECK(m.staged.flops <= m.eager.flops);
   CHECK(m.whole.flops <= m.eager.flops);
 }
