@@ -758,6 +758,10 @@ int main(int argc, char** argv) {
       "default, through stagejit's eager autograd with --eager, or libtorch's autograd with\n"
       "--libtorch; all start from the same weights and see the same batches.\n"
       "Data: Debian package dataset-fashion-mnist."};
+  // An option that takes a number >= 0 (a count, or an index).
+  auto non_negative_option = [&app](const char* name, auto& value, const std::string& help) {
+    return app.add_option(name, value, help)->check(CLI::NonNegativeNumber);
+  };
   app.add_option("--model", o.model, "The network: mlp (784-256-128-10) or cnn (examples/cnn.hpp)")
       ->capture_default_str()->check(CLI::IsMember({"mlp", "cnn"}));
   app.add_flag("--batch-norm", o.batch_norm, "With --model cnn: batch norm after each convolution");
@@ -773,8 +777,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"constant", "linear"}));
   app.add_option("--momentum", o.momentum, "SGD momentum (PyTorch's convention)")
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
-  app.add_option("--threads", o.threads, "ATen intra-op threads (0: ATen's default)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  non_negative_option("--threads", o.threads, "ATen intra-op threads (0: ATen's default)")->capture_default_str();
   app.add_option("--data-dir", o.data_dir, "Directory holding the four *-ubyte.gz IDX files")
       ->capture_default_str();
   app.add_option("--seed", o.seed, "Seeds the initial weights and the batch order")
@@ -784,30 +787,26 @@ int main(int argc, char** argv) {
                  "(with --compare a leading mode column)");
   app.add_flag("--print-graph", o.print_graph,
                "Print the optimised IR of the compiled training step and exit");
-  app.add_option("--warmup", o.warmup,
-                 "Untimed steps on a scratch copy of the weights before training (the compiled "
-                 "step's trace and kernel compile, first-touch memory): training is unchanged")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--limit", o.limit, "Use only the first N training images (0: all)")
-      ->check(CLI::NonNegativeNumber);
+  non_negative_option("--warmup", o.warmup,
+                      "Untimed steps on a scratch copy of the weights before training (the compiled "
+                      "step's trace and kernel compile, first-touch memory): training is unchanged");
+  non_negative_option("--limit", o.limit, "Use only the first N training images (0: all)");
   auto* eager = app.add_flag("--eager", o.eager, "Run the step through stagejit's eager autograd");
   auto* lt = app.add_flag("--libtorch", o.libtorch, "Run the step through libtorch's autograd");
   auto* cmp = app.add_flag("--compare", o.compare,
                            "Train compiled, eager and libtorch (epochs interleaved) and compare throughput");
   eager->excludes(lt)->excludes(cmp);
   lt->excludes(cmp);
-  app.add_option("--check-gradients", o.check_gradients,
-                 "Compare the compiled step's gradients with libtorch's on the first N batches "
-                 "(1e-5 relative), exit 1 on a mismatch")
-      ->check(CLI::NonNegativeNumber);
+  non_negative_option("--check-gradients", o.check_gradients,
+                      "Compare the compiled step's gradients with libtorch's on the first N batches "
+                      "(1e-5 relative), exit 1 on a mismatch");
   app.add_flag("--skip-if-missing", o.skip_missing,
                "Exit 77 (a skipped test for Meson) instead of 1 when the data cannot be read");
   app.add_option("--world-size", o.world_size,
                  "Data-parallel processes (c10d Gloo; default WORLD_SIZE, else 1): each trains on "
                  "its shard of every --batch-size batch; start them with scripts/launch -n N")
       ->check(CLI::PositiveNumber);
-  app.add_option("--rank", o.rank, "This process's rank in [0, world size) (default RANK, else 0)")
-      ->check(CLI::NonNegativeNumber);
+  non_negative_option("--rank", o.rank, "This process's rank in [0, world size) (default RANK, else 0)");
   app.add_option("--timeout", o.timeout, "Seconds to wait for a peer (rendezvous, each all-reduce)")
       ->capture_default_str()
       ->check(CLI::Validator(
