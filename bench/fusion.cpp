@@ -168,6 +168,20 @@ extern "C" void hand_backward(int64_t begin, int64_t end, int32_t, const stageji
 }
 )HAND";
 
+/// Median times (ms) of the variants both tables show.
+struct VariantTimes {
+  double torch, torch_level, eager, unfused, fused;
+};
+
+/// The rows of those variants, with speed-ups over libtorch eager.
+void variant_rows(const VariantTimes& t) {
+  row("libtorch eager", t.torch, t.torch);
+  row("libtorch eager, level field", t.torch_level, t.torch);
+  row("stagejit eager", t.eager, t.torch);
+  row("stagejit compiled, unfused", t.unfused, t.torch);
+  row("stagejit compiled, fused", t.fused, t.torch);
+}
+
 /// A hand-written kernel of kHandKernels, compiled by the default CPU backend.
 std::shared_ptr<const sj::fusion::CpuKernel> hand_kernel(const char* entry, int inputs, int outputs) {
   sj::fusion::KernelSource src;
@@ -427,18 +441,10 @@ int main(int argc, char** argv) {
               "group%s)\n", compile_fwd_ms, compile_bwd_ms, groups, compile_one_stage_ms, one_stage_groups,
               one_stage_groups == 1 ? "" : "s");
   std::printf(" forward                                      time      vs libtorch\n");
-  row("libtorch eager", fwd_torch, fwd_torch);
-  row("libtorch eager, level field", fwd_torch_level, fwd_torch);
-  row("stagejit eager", fwd_eager, fwd_torch);
-  row("stagejit compiled, unfused", fwd_unfused, fwd_torch);
-  row("stagejit compiled, fused", fwd_fused, fwd_torch);
+  variant_rows({fwd_torch, fwd_torch_level, fwd_eager, fwd_unfused, fwd_fused});
   row("bandwidth limit (4 arrays)", limit_fwd, fwd_torch);
   std::printf(" forward + backward\n");
-  row("libtorch eager", bwd_torch, bwd_torch);
-  row("libtorch eager, level field", bwd_torch_level, bwd_torch);
-  row("stagejit eager", bwd_eager, bwd_torch);
-  row("stagejit compiled, unfused", bwd_unfused, bwd_torch);
-  row("stagejit compiled, fused", bwd_fused, bwd_torch);
+  variant_rows({bwd_torch, bwd_torch_level, bwd_eager, bwd_unfused, bwd_fused});
   row("stagejit compiled, fused, one stage", bwd_one_stage, bwd_torch);
   if (!cuda) {
     row("hand-written, one pass", bwd_hand_single, bwd_torch);
