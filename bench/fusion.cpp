@@ -105,18 +105,21 @@ inline void put(const V& v, float* p, int64_t n, bool whole) {
   if (whole) sjk::store_stream<float>(v, p);
   else v.store(p, static_cast<int>(n));
 }
-}  // namespace hand
-// in: a, b, c, gy; out: y, da, db, dc
-extern "C" void hand_single(int64_t begin, int64_t end, int32_t, const stagejit_TensorArg* args) {
-  using hand::V;
-  const float* __restrict a = static_cast<const float*>(args[0].data);
-  const float* __restrict b = static_cast<const float*>(args[1].data);
-  const float* __restrict c = static_cast<const float*>(args[2].data);
-  const float* __restrict g = static_cast<const float*>(args[3].data);
-  float* __restrict y = static_cast<float*>(args[4].data);
-  float* __restrict da = static_cast<float*>(args[5].data);
-  float* __restrict db = static_cast<float*>(args[6].data);
-  float* __restrict dc = static_cast<float*>(args[7].data);
+// Calls kernel(begin, end, p...) with the k-th pointer parameter args[k].data (const
+// float* for an input, float* for an output): the entry points below unpack this way.
+template <class... P, std::size_t... K>
+inline void call(void (*kernel)(int64_t, int64_t, P...), int64_t begin, int64_t end,
+                 const stagejit_TensorArg* args, std::index_sequence<K...>) {
+  kernel(begin, end, static_cast<P>(args[K].data)...);
+}
+template <class... P>
+inline void call(void (*kernel)(int64_t, int64_t, P...), int64_t begin, int64_t end,
+                 const stagejit_TensorArg* args) {
+  call(kernel, begin, end, args, std::index_sequence_for<P...>{});
+}
+static void single(int64_t begin, int64_t end, const float* __restrict a, const float* __restrict b,
+                   const float* __restrict c, const float* __restrict g, float* __restrict y, float* __restrict da,
+                   float* __restrict db, float* __restrict dc) {
   hand::loop(begin, end, y, [&](int64_t i, int64_t n, bool whole) {
     const V x0 = V::loadu(a + i, n), x1 = V::loadu(b + i, n), x2 = V::loadu(c + i, n), gy = V::loadu(g + i, n);
     const V s = hand::sigmoid(x0), t = sjk::tanh(x0 * x1 + x2);
@@ -128,15 +131,8 @@ extern "C" void hand_single(int64_t begin, int64_t end, int32_t, const stagejit_
     hand::put(dp * x1 + ds * (V(1.f) - s) * s, da + i, n, whole);
   });
 }
-// in: a, b, c; out: y, s, t
-extern "C" void hand_forward(int64_t begin, int64_t end, int32_t, const stagejit_TensorArg* args) {
-  using hand::V;
-  const float* __restrict a = static_cast<const float*>(args[0].data);
-  const float* __restrict b = static_cast<const float*>(args[1].data);
-  const float* __restrict c = static_cast<const float*>(args[2].data);
-  float* __restrict y = static_cast<float*>(args[3].data);
-  float* __restrict so = static_cast<float*>(args[4].data);
-  float* __restrict to = static_cast<float*>(args[5].data);
+static void forward(int64_t begin, int64_t end, const float* __restrict a, const float* __restrict b,
+                    const float* __restrict c, float* __restrict y, float* __restrict so, float* __restrict to) {
   hand::loop(begin, end, y, [&](int64_t i, int64_t n, bool whole) {
     const V x0 = V::loadu(a + i, n), x1 = V::loadu(b + i, n), x2 = V::loadu(c + i, n);
     const V s = hand::sigmoid(x0), t = sjk::tanh(x0 * x1 + x2);
@@ -145,17 +141,9 @@ extern "C" void hand_forward(int64_t begin, int64_t end, int32_t, const stagejit
     hand::put(t, to + i, n, whole);
   });
 }
-// in: gy, s, t, a, b; out: da, db, dc
-extern "C" void hand_backward(int64_t begin, int64_t end, int32_t, const stagejit_TensorArg* args) {
-  using hand::V;
-  const float* __restrict g = static_cast<const float*>(args[0].data);
-  const float* __restrict sp = static_cast<const float*>(args[1].data);
-  const float* __restrict tp = static_cast<const float*>(args[2].data);
-  const float* __restrict a = static_cast<const float*>(args[3].data);
-  const float* __restrict b = static_cast<const float*>(args[4].data);
-  float* __restrict da = static_cast<float*>(args[5].data);
-  float* __restrict db = static_cast<float*>(args[6].data);
-  float* __restrict dc = static_cast<float*>(args[7].data);
+static void backward(int64_t begin, int64_t end, const float* __restrict g, const float* __restrict sp,
+                     const float* __restrict tp, const float* __restrict a, const float* __restrict b,
+                     float* __restrict da, float* __restrict db, float* __restrict dc) {
   hand::loop(begin, end, da, [&](int64_t i, int64_t n, bool whole) {
     const V gy = V::loadu(g + i, n), s = V::loadu(sp + i, n), t = V::loadu(tp + i, n);
     const V x0 = V::loadu(a + i, n), x1 = V::loadu(b + i, n);
@@ -165,6 +153,19 @@ extern "C" void hand_backward(int64_t begin, int64_t end, int32_t, const stageji
     hand::put(dp * x0, db + i, n, whole);
     hand::put(dp * x1 + ds * (V(1.f) - s) * s, da + i, n, whole);
   });
+}
+}  // namespace hand
+// in: a, b, c, gy; out: y, da, db, dc
+extern "C" void hand_single(int64_t begin, int64_t end, int32_t, const stagejit_TensorArg* args) {
+  hand::call(hand::single, begin, end, args);
+}
+// in: a, b, c; out: y, s, t
+extern "C" void hand_forward(int64_t begin, int64_t end, int32_t, const stagejit_TensorArg* args) {
+  hand::call(hand::forward, begin, end, args);
+}
+// in: gy, s, t, a, b; out: da, db, dc
+extern "C" void hand_backward(int64_t begin, int64_t end, int32_t, const stagejit_TensorArg* args) {
+  hand::call(hand::backward, begin, end, args);
 }
 )HAND";
 
