@@ -95,6 +95,8 @@ inline Vec<float> erf(const Vec<float>& x) {
 #endif
 }
 inline Vec<double> erf(const Vec<double>& x) { return x.erf(); }
+/// Double keeps ATen's (SLEEF's tanh_u10): the kernels' `sjf::tanh` calls `sjk::tanh`.
+inline Vec<double> tanh(const Vec<double>& x) { return x.tanh(); }
 
 /// Whether the bool lanes of a whole contiguous vector convert with vector instructions
 /// (bool_lanes_load / bool_lanes_store below): float and double compute types on AVX-512
@@ -345,11 +347,6 @@ inline void elementwise(int64_t begin, int64_t end, int32_t rank, const stagejit
 
 }  // namespace sjk
 
-namespace sjf {
-/// Generated code calls `sjf::tanh`; for float vectors this non-template overload is
-/// preferred to the generic one the kernel helpers declare (`a.tanh()`).
-inline sjk::Vec<float> tanh(const sjk::Vec<float>& a) { return sjk::tanh(a); }
-}  // namespace sjf
 // ---- end of prelude ----
 )PRELUDE";
   return text;

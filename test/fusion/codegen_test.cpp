@@ -318,6 +318,15 @@ TEST_SUITE("fusion") {
     for (int64_t i = 0; i < x.numel(); ++i)
       worst = std::max(worst, stagejit::testing::ulps(got[0].data_ptr<float>()[i], want.data_ptr<float>()[i]));
     CHECK(worst <= 1);
+    // The kernels call the prelude's polynomial, not ATen's SLEEF tanh: on AVX2 / AVX-512
+    // machines (where the prelude has it) some results are one ulp from ATen's (4.6 % of
+    // this sweep).
+    // A generated kernel's `sjf::tanh` that silently fell back to `Vectorized::tanh` (as it
+    // did once the kernels got namespaces of their own) gives ATen's bits everywhere.
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      const int64_t differ = got[0].ne(want).sum().item<int64_t>();
+      CHECK_MESSAGE(differ > 0, "fused float tanh gave ATen's bits at every one of ", x.numel(), " points");
+    }
     const int64_t n = x.numel();
     CHECK(std::signbit(got[0].data_ptr<float>()[n - 8]));   // tanh(-0) = -0
     CHECK(!std::signbit(got[0].data_ptr<float>()[n - 9]));  // tanh(+0) = +0

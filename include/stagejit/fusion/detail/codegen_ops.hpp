@@ -32,7 +32,9 @@
 
 namespace stagejit::fusion::detail {
 
-/// Helpers emitted before each generated kernel (global namespace, after the prelude).
+/// Helpers emitted before each generated kernel, after the prelude, inside the kernel's own
+/// namespace (`sjk_unit_<hash>`, src/fusion_cpu.cpp): its `sjf` hides any `::sjf`, so a
+/// helper that must reach the prelude's functions calls them by `sjk::` (tanh, erf).
 inline constexpr std::string_view kernel_helpers = R"HELPERS(#include <limits>
 // Unary minus: libtorch 1.13's Vectorized has none; 2.x's (Vectorized<T>, more
 // specialised) wins overload resolution over this fallback where it exists.
@@ -41,7 +43,7 @@ inline auto operator-(const X& a) -> decltype(a.neg()) { return a.neg(); }
 namespace sjf {
 template <class X> inline X exp(const X& a) { return a.exp(); }
 template <class X> inline X log(const X& a) { return a.log(); }
-template <class X> inline X tanh(const X& a) { return a.tanh(); }
+template <class X> inline X tanh(const X& a) { return sjk::tanh(a); }
 template <class X> inline X sqrt(const X& a) { return a.sqrt(); }
 template <class X> inline X sin(const X& a) { return a.sin(); }
 template <class X> inline X cos(const X& a) { return a.cos(); }
