@@ -125,6 +125,39 @@ TEST_SUITE("fusion") {
     }
   }
 
+  TEST_CASE("run_fused: bool inputs and outputs of whole contiguous vectors (vector lanes) match ATen") {
+    // Long contiguous bool tensors go through the prelude's bool_lanes_load/store (one
+    // instruction per vector on AVX2 / AVX-512); the tail, short and strided ones through
+    // the element loop. NaN, -0 and inf among the values; masks read back by where and
+    // masked_fill, and combined by logical_and.
+    at::manual_seed(4);
+    const std::string text = R"(graph(%a : Float(8), %b : Float(8), %m : Bool(8)) {
+  %0 : Bool(8) = gt(%a, %b);
+  %1 : Float(8) = where(%m, %a, %b);
+  %2 : Bool(8) = logical_and(%0, %m);
+  %3 : Float(8) = masked_fill[value=-7](%1, %2);
+  %4 : Bool(8) = ne[other=0](%a);
+  return (%0, %2, %3, %4);
+}
+)";
+    for (auto dtype : {at::kFloat, at::kDouble}) {
+      CAPTURE(dtype);
+      auto o = at::TensorOptions().dtype(dtype);
+      for (int64_t n : {int64_t(8), int64_t(16), int64_t(1003)}) {
+        CAPTURE(n);
+        at::Tensor a = at::randn({n}, o), b = at::randn({n}, o);
+        a.index_put_({0}, NAN);
+        a.index_put_({1}, -0.0);
+        a.index_put_({2}, INFINITY);
+        a.index_put_({3}, 0.0);
+        b.index_put_({4}, NAN);
+        const at::Tensor m = at::rand({n}) > 0.5;
+        check_group(text, {a, b, m});
+        check_group(text, {a.slice(0, 0, n, 2), b.slice(0, 0, n, 2), m.slice(0, 0, n, 2)});
+      }
+    }
+  }
+
   TEST_CASE("run_fused: outputs of different shapes, mixed dtypes and missing compilers fall back op by op") {
     at::manual_seed(3);
     auto g = ir::parse(tanh_sigmoid);

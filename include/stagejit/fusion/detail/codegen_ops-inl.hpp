@@ -250,10 +250,13 @@ STAGEJIT_FUNC const std::vector<OpForms>& op_forms() {
        }},
       {{OpId::eq, OpId::ne, OpId::lt, OpId::le, OpId::gt, OpId::ge},
        [](OpExpression& e) -> R {
-         // Vectorized's comparison members of the same names yield 1/0.
+         // Vectorized's comparison members of the same names yield 1/0. Not `ne`: its
+         // AVX-512 operator!= in libtorch 1.13 is an ordered compare (_CMP_NEQ_OQ), false
+         // for NaN where ATen's ne kernel and IEEE say true; 1 - eq is right everywhere.
          e.scalar_second("other");
          e.need(2);
          e.result_bool = true;
+         if (e.op.id() == OpId::ne) return "(" + e.lit(1) + " - " + e.a[0] + ".eq(" + e.a[1] + "))";
          return e.a[0] + "." + e.name + "(" + e.a[1] + ")";
        },
        [](OpExpression& e) -> R {
@@ -270,7 +273,9 @@ STAGEJIT_FUNC const std::vector<OpForms>& op_forms() {
        [](OpExpression& e) -> R {
          e.need(2);
          e.result_bool = true;
-         return "(" + e.a[0] + ".ne(" + e.lit(0) + ") * " + e.a[1] + ".ne(" + e.lit(0) + "))";
+         // NaN is true (see ne above: no .ne(), no operator!=).
+         return "((" + e.lit(1) + " - " + e.a[0] + ".eq(" + e.lit(0) + ")) * (" + e.lit(1) + " - " + e.a[1] + ".eq(" +
+                e.lit(0) + ")))";
        },
        [](OpExpression& e) -> R {
          e.need(2);
@@ -281,7 +286,8 @@ STAGEJIT_FUNC const std::vector<OpForms>& op_forms() {
        [](OpExpression& e) -> R {
          e.need(3);
          e.result_bool = e.operand_bool[1] && e.operand_bool[2];
-         return "V::blendv(" + e.a[2] + ", " + e.a[1] + ", " + e.a[0] + " != " + e.lit(0) + ")";
+         // The false branch where the condition equals 0 (a NaN condition is true).
+         return "V::blendv(" + e.a[1] + ", " + e.a[2] + ", " + e.a[0] + " == " + e.lit(0) + ")";
        },
        [](OpExpression& e) -> R {
          e.need(3);
@@ -294,7 +300,7 @@ STAGEJIT_FUNC const std::vector<OpForms>& op_forms() {
          auto v = e.attr("value");
          if (!v) throw FusionError("fusion: op 'masked_fill' needs attribute 'value'");
          e.result_bool = e.operand_bool[0];
-         return "V::blendv(" + e.a[0] + ", " + e.lit(*v) + ", " + e.a[1] + " != " + e.lit(0) + ")";
+         return "V::blendv(" + e.lit(*v) + ", " + e.a[0] + ", " + e.a[1] + " == " + e.lit(0) + ")";
        },
        [](OpExpression& e) -> R {
          e.need(2);
