@@ -211,6 +211,65 @@ TEST_CASE("cross-stage rematerialisation: fewer values cross stages, the same st
   CHECK(saved[{true, 0}] + 2 <= saved[{false, 0}]);
 }
 
+// A 16-dimensional Laplacian, sum_d d2u/dx_d2 (x [2100, 16], net 16-24-24-1 tanh): the
+// loss's backward fuses one group of more than 64 arguments (tiling::kMaxTiledKernelArgs),
+// which runs whole beside the region; it used to reach the tile runner and throw.
+template <class V, class GradFn, class NarrowFn>
+V laplacian_loss(const std::vector<V>& in, GradFn grad_of, NarrowFn column) {
+  V h = in[0];  // in: x, then (W, b) per hidden layer, then the output layer's W (no bias:
+  std::size_t l = 1;  // the Laplacian does not read it)
+  for (; l + 1 < in.size(); l += 2) h = tanh(mm(h, in[l]) + in[l + 1]);
+  h = mm(h, in[l]);
+  const V du = grad_of(h, in[0]);  // [n, 16]
+  V lap = column(grad_of(column(du, 0), in[0]), 0);
+  for (int64_t d = 1; d < 16; ++d) lap = lap + column(grad_of(column(du, d), in[0]), d);
+  return mean(lap * lap);
+}
+
+TEST_CASE("row-tiled regions: a 16-dimensional Laplacian (a fusion group of more than 64 arguments) equals libtorch") {
+  if (!sj::ops::small_mm_enabled()) return;
+  at::manual_seed(11);
+  auto o = at::TensorOptions().dtype(at::kDouble);
+  const std::vector<at::Tensor> data = {at::rand({2100, 16}, o), at::randn({16, 24}, o) * 0.3, at::randn({24}, o) * 0.1,
+                                        at::randn({24, 24}, o) * 0.3, at::randn({24}, o) * 0.1,
+                                        at::randn({24, 1}, o) * 0.3};
+  // libtorch
+  std::vector<torch::Tensor> tin;
+  for (const auto& x : data) tin.push_back(x.detach().clone().set_requires_grad(true));
+  const torch::Tensor tloss = laplacian_loss<torch::Tensor>(
+      tin,
+      [](const torch::Tensor& y, const torch::Tensor& x) {
+        return torch::autograd::grad({y}, {x}, {torch::ones_like(y)}, true, true)[0];
+      },
+      [](const torch::Tensor& y, int64_t d) { return y.narrow(1, d, 1); });
+  const std::vector<torch::Tensor> tparams(tin.begin() + 1, tin.end());
+  const auto want = torch::autograd::grad({tloss}, tparams);
+  // stagejit: the whole loss compiled, tiles of 128 rows
+  auto loss_fn = [](const sj::variable_list& in) -> sj::variable_list {
+    return {laplacian_loss<sj::Variable>(
+        in,
+        [](const sj::Variable& y, const sj::Variable& x) {
+          return sj::grad({y}, {x}, {sj::Variable(at::ones_like(y.data()))}, true)[0];
+        },
+        [](const sj::Variable& y, int64_t d) { return sj::narrow(y, 1, d, 1); })};
+  };
+  auto compiled = sj::compile(loss_fn, {.derivatives = 1, .tile_rows = 128});
+  for (int round = 0; round < 2; ++round) {  // the second runs the compiled kernels
+    CAPTURE(round);
+    sj::variable_list in;
+    for (const auto& x : data) in.emplace_back(x, true);
+    const sj::Variable loss = compiled(in)[0];
+    const sj::variable_list params(in.begin() + 1, in.end());
+    const auto got = sj::grad({loss}, params);
+    CHECK(std::abs(loss.data().item<double>() - tloss.item<double>()) <= 1e-10 * (1 + std::abs(tloss.item<double>())));
+    for (std::size_t i = 0; i < got.size(); ++i)
+      CHECK(max_abs_diff(got[i].data(), want[i]) <= 1e-10 * (1 + want[i].abs().max().item<double>()));
+  }
+  sj::variable_list in;
+  for (const auto& x : data) in.emplace_back(x, true);
+  CHECK(count_regions(*compiled.closure_for(in)) > 0);
+}
+
 TEST_CASE("row-tiled regions: tall stages get regions, short ones and tile_rows = 0 none") {
   if (!sj::ops::small_mm_enabled()) return;
   at::manual_seed(7);
@@ -231,7 +290,7 @@ TEST_CASE("row-tiled regions: tall stages get regions, short ones and tile_rows 
   CHECK(count_regions(*plain) == 0);
   for (const auto& st : plain->stages) plain_functions += st.functions.size();
   CHECK(tiled_functions < plain_functions);
-  // Fewer rows than kMinTiledRows: the tensors fit in the caches, no region.
+  // Fewer rows than kMinTiledRows: no region.
   CHECK(count_regions(*closure_of(1000, 256)) == 0);
   // The region names what it runs.
   for (const auto& fn : tiled->stages[0].functions)

@@ -80,8 +80,10 @@ struct CompileOptions {
   /// bias gradient reductions) run tile by tile, so intermediates stay in the cache.
   /// Needs LIBXSMM (`ops::small_mm_enabled`); 0 turns it off. Measured on the Burgers
   /// PINN step (bench/pinn.md, float): staged 1.48x -> 1.80x libtorch, compile-loss
-  /// 1.51x -> 1.80x.
-  int64_t tile_rows = 512;
+  /// 1.51x -> 1.80x. 128 rows, not 512 as first: a tile's values stay in L1/L2 (KdV,
+  /// float: staged 1.98x -> 2.35x, whole-loss 2.90x -> 3.30x; Poisson 2-64x3-1 at 8 000
+  /// rows 1.79x -> 1.88x; bench/higher_order.md).
+  int64_t tile_rows = 128;
   /// With `optimize`: later stages recompute cheap elementwise values of earlier stages
   /// (of at least 16 384 elements) from values they read anyway instead of reading them
   /// saved, so fewer tensors cross stages (passes/rematerialize.hpp, Note [Cross-stage

@@ -43,8 +43,13 @@
 
 namespace stagejit::closure {
 
-/// Stages whose row values have fewer rows than this are not tiled (their tensors fit
-/// in the caches already).
+/// Stages whose row values have fewer rows than `max(2 * tile_rows, kMinTiledRows)` are
+/// not tiled. Regions would pay below it too (Poisson 2-64x3-1 tanh, float, staged: 1.02x
+/// libtorch at 2 047 rows, 1.43x at 2 048; with this at 256, 1.56x at 1 000 rows), but
+/// they also switch the staged mode's cross-stage gradients off (Note [Choosing
+/// cross-stage gradients]), which cost the softplus force-matching step at 2 000 rows
+/// 1.62x -> 1.05x: lowering it waits for that choice to be made per workload
+/// (bench/higher_order.md, "Fewer rows").
 inline constexpr int64_t kMinTiledRows = 2048;
 
 /// The function graph of one stage. See the file comment.

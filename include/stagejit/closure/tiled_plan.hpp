@@ -86,6 +86,10 @@ struct TiledRegion {
 
 namespace tiling {
 
+/// The most arguments (inputs and outputs) of a fusion group inside a region: the
+/// runner hands a tile's to the kernel in a fixed array.
+inline constexpr std::size_t kMaxTiledKernelArgs = 64;
+
 // How a region reads a value: Row ([N, C], tiled by rows), RowT (t of a row value of
 // the region: read as that value), Col ([K, N] from outside, tiled by columns: a
 // transposed row), Reduction (summed over the rows; complete after the region),
@@ -171,6 +175,9 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
     const ir::TensorType* out = tensor_of(n->outputs()[0]);
     if (auto* fg = n->get_if<ir::FusionGroup>()) {
       if (!fg->subgraph || all_invariant) return RowLayout::Bad;
+      // The runner passes a tile's kernel arguments in a fixed array; a larger group (a
+      // 16-dimensional Laplacian's backward has one) runs whole, outside the region.
+      if (n->inputs().size() + n->outputs().size() > tiling::kMaxTiledKernelArgs) return RowLayout::Bad;
       const int64_t C = out->sizes.size() == 2 ? out->sizes[1] : -1;
       for (ir::Value* o : n->outputs()) {
         const ir::TensorType* t = tensor_of(o);

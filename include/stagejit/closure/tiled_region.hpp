@@ -552,8 +552,9 @@ class TiledRegionRunner {
                       int64_t r0, ViewFn& view, const std::vector<const char*>& dense_in) const {
     const int64_t C = f.cols;
     const std::size_t n = st.in.size() + st.out.size();
-    fusion::TensorArg args[64];
-    STAGEJIT_CHECK(n <= 64, "tiled region: ", f.name, " has more than 64 arguments");
+    fusion::TensorArg args[tiling::kMaxTiledKernelArgs];
+    STAGEJIT_CHECK(n <= tiling::kMaxTiledKernelArgs, "tiled region: ", f.name, " has more than ",
+                   tiling::kMaxTiledKernelArgs, " arguments (find_row_tiled_regions leaves such groups out)");
     bool dense = true;
     for (std::size_t k = 0; k < n; ++k) {
       const std::size_t v = k < st.in.size() ? st.in[k] : st.out[k - st.in.size()];
