@@ -6,6 +6,8 @@
 
 #include "../../examples/pinn/burgers.hpp"
 
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard
+
 #include <cmath>
 
 namespace sj = stagejit;

@@ -89,6 +89,22 @@ void check_group_cuda(const std::string& text, const std::vector<at::Tensor>& in
 }  // namespace
 
 TEST_SUITE("gpu") {
+  TEST_CASE("the CUDA environment: ATen's CUDA hooks and stagejit's driver (reported; the cases below skip without them)") {
+    // On a machine with a GPU every case of this suite needs both; this says which is
+    // missing when they skip (scripts/gpu-check prints it).
+    MESSAGE("at::hasCUDA(): ", at::hasCUDA(), "; stagejit CUDA driver: ", fusion::cuda_driver_available(),
+            "; devices: ", fusion::cuda_device_count());
+    if (!fusion::cuda_driver_available()) {
+      try {
+        (void)fusion::cuda_device_info(0);
+      } catch (const std::exception& e) {
+        const std::string why = e.what();
+        MESSAGE("driver: ", why);
+      }
+    }
+    CHECK(no_cuda_tensors() == !(at::hasCUDA() && fusion::cuda_driver_available()));
+  }
+
   TEST_CASE("fused tanh(a*b + c) * sigmoid(a) on CUDA: shapes, layouts, float/double/half" *
             doctest::skip(no_cuda_tensors())) {
     at::manual_seed(1);

@@ -23,6 +23,7 @@
 #include <stagejit/ops/small_gemm.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/core/LegacyTypeDispatch.h>  // at::AutoDispatchBelowADInplaceOrView
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 

@@ -10,6 +10,7 @@
 #include <stagejit/ops/op_schema.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard (not reached through ATen.h in libtorch 2.x)
 
 #include <algorithm>
 #include <cctype>
