@@ -101,25 +101,33 @@ bool run_workload(ho::Workload& w, bool small, int rounds, int warmup, Summary& 
   sj::fusion::default_cpu_backend().wait_for_prefetches();
   std::printf("  first call (trace + compile): staged %.0f ms, whole-loss %.0f ms; staged: cross-stage gradients in %zu of %zu specs\n",
               first_ms[0], first_ms[1], w.compiled_net().stats().cross_stage_traces, w.compiled_net().stats().misses);
+  // Float's own error: every mode, libtorch's included, against libtorch in double on the
+  // same values (the workloads build them in double and cast). At full size libtorch's
+  // float sits 1e-5 or more from that reference itself (sums of 10 000 terms), so a float
+  // mode that misses 1e-5 against libtorch's float but is as close to the double
+  // reference as libtorch's float (within twice libtorch's own distance: a wrong
+  // derivative is off by orders of magnitude) differs from it by rounding: it passes,
+  // marked "(rounding)".
+  double err[kModes] = {0, 0, 0, 0};
+  if (w.dtype() == at::kFloat) {
+    const ho::Result ref = ho::make_workload(w.name(), at::kDouble, small)->step(ho::Mode::Libtorch);
+    for (std::size_t m = 0; m < kModes; ++m) err[m] = ho::max_rel_diff(first[m], ref);
+  }
   bool ok = true;
   std::printf("  check (first round), max relative difference to libtorch (loss %.8e; loss and gradients):",
               first[kLibtorch].loss);
   for (std::size_t m = 0; m < kLibtorch; ++m) {
     const double d = ho::max_rel_diff(first[m], first[kLibtorch]);
-    ok = ok && d <= tol;
-    std::printf(" %s %.2e%s", m == 0 ? "staged" : m == 1 ? "whole-loss" : "eager", d, d <= tol ? "" : " (FAILED)");
+    const bool rounding = d > tol && w.dtype() == at::kFloat && err[m] <= 2 * err[kLibtorch];
+    ok = ok && (d <= tol || rounding);
+    std::printf(" %s %.2e%s", m == 0 ? "staged" : m == 1 ? "whole-loss" : "eager", d,
+                d <= tol ? "" : rounding ? " (rounding)" : " (FAILED)");
   }
-  std::printf("; %s (<= %.0e)\n", ok ? "passed" : "FAILED", tol);
+  std::printf("; %s (<= %.0e, or float's error <= 2x libtorch's)\n", ok ? "passed" : "FAILED", tol);
   if (w.dtype() == at::kFloat) {
-    // Float's own error: every mode, libtorch's included, against libtorch in double on
-    // the same values (the workloads build them in double and cast). A float mode that
-    // misses the check above but sits as close to this reference as libtorch's float does
-    // differs from libtorch by rounding, not by a wrong derivative.
-    const ho::Result ref = ho::make_workload(w.name(), at::kDouble, small)->step(ho::Mode::Libtorch);
     std::printf("  float's error, max relative difference to libtorch in double:");
     for (std::size_t m = 0; m < kModes; ++m)
-      std::printf(" %s %.2e", m == 0 ? "staged" : m == 1 ? "whole-loss" : m == 2 ? "eager" : "libtorch",
-                  ho::max_rel_diff(first[m], ref));
+      std::printf(" %s %.2e", m == 0 ? "staged" : m == 1 ? "whole-loss" : m == 2 ? "eager" : "libtorch", err[m]);
     std::printf("\n");
   }
 

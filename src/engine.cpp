@@ -8,6 +8,19 @@
 // the pool's queue. The caller of `execute` works on its own task's queue until the task's
 // outstanding count reaches zero, so nested `execute` calls always make progress.
 //
+// Note [Joint nodes]
+// A ClosureImpl may name Functions it can run together with its own (`joint_members`:
+// the compiled calls of stages 1..k of one chain, Note [Joint backward] in
+// closure/autograd_closure.hpp). When a graph task without create_graph reaches two or
+// more of them (each needed, none captured and none with callbacks) and none of them
+// reaches another through the task's graph (a joint node would then wait on itself),
+// they become one node: a Function whose inputs are the members' inputs and whose
+// next_functions are the members' next_functions, concatenated in member order. The
+// members' records stay in the task (edges into them still say they are needed) but
+// forward what is delivered to them into the joint node at their input offset; the
+// joint node's dependency count is the sum of theirs. It runs once all the members'
+// gradients are in, and calls `apply_joint`, or applies the members one by one.
+//
 // Note [Deterministic fan-in]
 // Each contribution to an input slot carries a key (producer's discovery index in the
 // dependency DFS from the roots, output number). Once all contributions arrived they are
@@ -54,6 +67,9 @@ struct Node {
   std::vector<Contribution> buffer;
   variable_list inputs;  // summed buffer, filled when the node becomes ready
   std::vector<char> emitted;  // outputs already delivered early (Note [Early outputs])
+  // Note [Joint nodes]: the joint node this member's inputs go to, at `input_offset`.
+  int64_t joined_into = -1;
+  uint32_t input_offset = 0;
 };
 
 struct GraphTask {
@@ -76,6 +92,7 @@ struct GraphTask {
   // capture edges: node index -> list of (input_nr, result slot)
   std::unordered_map<uint32_t, std::vector<std::pair<uint32_t, std::size_t>>> capture_of;
   variable_list captured;
+  std::vector<std::shared_ptr<Function>> joint_functions;  // Note [Joint nodes]
 };
 
 // ------------------------------------------------------------------ worker pool
@@ -142,10 +159,16 @@ void deliver_one(GraphTask& task, uint64_t producer, std::size_t i, const Edge& 
   if (!e.is_valid()) return;
   auto it = task.index.find(e.function.get());
   if (it == task.index.end()) return;
-  Node& node = task.nodes[it->second];
+  uint32_t target = it->second;
+  uint32_t slot = e.input_nr;
+  if (const Node& member = task.nodes[target]; member.joined_into >= 0) {
+    slot += member.input_offset;
+    target = static_cast<uint32_t>(member.joined_into);
+  }
+  Node& node = task.nodes[target];
   if (!node.needed && !node.captured) return;
-  node.buffer.push_back({(producer << 32) | i, e.input_nr, std::move(value)});
-  if (--node.deps == 0) ready.push_back(it->second);
+  node.buffer.push_back({(producer << 32) | i, slot, std::move(value)});
+  if (--node.deps == 0) ready.push_back(target);
 }
 
 // Delivers `outputs` (from producer with key base `producer`) along `edges`, except the
@@ -253,6 +276,164 @@ variable_list call_function(const std::shared_ptr<GraphTask>& task_ptr, uint32_t
                  outputs.size());
   if (!task.keep_graph) fn.release_variables();
   return outputs;
+}
+
+// Note [Joint nodes]: the Function of a joint node.
+class JointImpl final : public ClosureImpl {
+ public:
+  JointImpl(std::vector<std::shared_ptr<Function>> members, std::shared_ptr<ClosureImpl> runner,
+            std::vector<char> present)
+      : members_(std::move(members)), runner_(std::move(runner)), present_(std::move(present)) {
+    name_ = "JointBackward(";
+    for (std::size_t m = 0; m < members_.size(); ++m)
+      if (present_[m]) name_ += std::string(name_.back() == '(' ? "" : "+") + members_[m]->name();
+    name_ += ")";
+  }
+  std::string_view name() const override { return name_; }
+  bool caches_host_memory() const override { return runner_->caches_host_memory(); }
+  variable_list apply(variable_list inputs) override {
+    return apply(std::move(inputs), std::vector<char>(total_outputs(), 1));
+  }
+  variable_list apply(variable_list inputs, const std::vector<char>& needed) override {
+    // Split the inputs and the mask by member (present members only, in order).
+    std::vector<variable_list> member_inputs(members_.size());
+    std::vector<std::vector<char>> member_needed(members_.size());
+    std::size_t in = 0, out = 0;
+    for (std::size_t m = 0; m < members_.size(); ++m) {
+      if (!present_[m]) continue;
+      const Function& f = *members_[m];
+      member_inputs[m].assign(f.num_inputs, Variable());
+      for (std::size_t i = 0; i < f.num_inputs && in < inputs.size(); ++i, ++in)
+        member_inputs[m][i] = std::move(inputs[in]);
+      member_needed[m].assign(needed.begin() + static_cast<std::ptrdiff_t>(out),
+                              needed.begin() + static_cast<std::ptrdiff_t>(out + f.next_functions.size()));
+      out += f.next_functions.size();
+    }
+    std::optional<std::vector<variable_list>> joint;
+    {
+      std::vector<std::vector<char>> all_needed = member_needed;
+      for (std::size_t m = 0; m < members_.size(); ++m)
+        if (!present_[m]) all_needed[m].assign(members_[m] ? members_[m]->next_functions.size() : 0, 0);
+      std::vector<variable_list> all_inputs = member_inputs;
+      joint = runner_->apply_joint(std::move(all_inputs), all_needed);
+    }
+    variable_list result;
+    result.reserve(total_outputs());
+    for (std::size_t m = 0; m < members_.size(); ++m) {
+      if (!present_[m]) continue;
+      Function& f = *members_[m];
+      variable_list outs;
+      if (joint) {
+        outs = std::move((*joint)[m]);
+      } else if (auto* c = std::get_if<ClosureFunction>(&f.kind); c && c->impl) {
+        outs = c->impl->apply(std::move(member_inputs[m]), member_needed[m]);
+      } else {
+        outs = f.apply(std::move(member_inputs[m]));
+      }
+      STAGEJIT_CHECK(outs.size() == f.next_functions.size(), "Function '", f.name(),
+                     "' returned an invalid number of outputs in a joint backward - expected ",
+                     f.next_functions.size(), ", but got ", outs.size());
+      for (auto& o : outs) result.push_back(std::move(o));
+    }
+    return result;
+  }
+
+ private:
+  std::size_t total_outputs() const {
+    std::size_t n = 0;
+    for (std::size_t m = 0; m < members_.size(); ++m)
+      if (present_[m]) n += members_[m]->next_functions.size();
+    return n;
+  }
+  std::vector<std::shared_ptr<Function>> members_;
+  std::shared_ptr<ClosureImpl> runner_;
+  std::vector<char> present_;
+  std::string name_;
+};
+
+// Note [Joint nodes]: forms the joint nodes of `task` (its dependency counts computed).
+void form_joint_nodes(GraphTask& task) {
+  const std::size_t original = task.nodes.size();
+  auto has_callbacks = [&](const Function* f) {
+    return task.callbacks && (task.callbacks->pre.count(f) > 0 || task.callbacks->post.count(f) > 0);
+  };
+  for (std::size_t idx = 0; idx < original; ++idx) {
+    std::shared_ptr<ClosureImpl> runner;
+    {
+      const Node& node = task.nodes[idx];
+      if (!node.needed || node.captured || node.joined_into >= 0) continue;
+      const auto* c = std::get_if<ClosureFunction>(&node.fn->kind);
+      if (!c || !c->impl) continue;
+      runner = c->impl;
+    }
+    std::vector<std::shared_ptr<Function>> members = runner->joint_members();
+    if (members.size() < 2) continue;
+    std::vector<char> present(members.size(), 0);
+    std::vector<uint32_t> member_idx(members.size(), 0);
+    std::size_t count = 0;
+    bool self_in = false;
+    for (std::size_t m = 0; m < members.size(); ++m) {
+      if (!members[m]) continue;
+      auto it = task.index.find(members[m].get());
+      if (it == task.index.end()) continue;
+      const Node& n = task.nodes[it->second];
+      if (!n.needed || n.captured || n.joined_into >= 0 || has_callbacks(members[m].get())) continue;
+      present[m] = 1;
+      member_idx[m] = it->second;
+      self_in = self_in || it->second == idx;
+      ++count;
+    }
+    if (count < 2 || !self_in) continue;
+    // No member may reach another through the task's graph.
+    std::vector<char> is_member(original, 0);
+    for (std::size_t m = 0; m < members.size(); ++m)
+      if (present[m]) is_member[member_idx[m]] = 1;
+    bool reaches = false;
+    for (std::size_t m = 0; m < members.size() && !reaches; ++m) {
+      if (!present[m]) continue;
+      std::vector<char> seen(original, 0);
+      std::vector<uint32_t> stack;
+      auto push_next = [&](const Function& f) {
+        for (const Edge& e : f.next_functions) {
+          if (!e.is_valid()) continue;
+          auto it = task.index.find(e.function.get());
+          if (it == task.index.end() || seen[it->second]) continue;
+          seen[it->second] = 1;
+          stack.push_back(it->second);
+        }
+      };
+      push_next(*members[m]);
+      while (!stack.empty() && !reaches) {
+        const uint32_t n = stack.back();
+        stack.pop_back();
+        if (is_member[n]) reaches = true;
+        else push_next(*task.nodes[n].fn);
+      }
+    }
+    if (reaches) continue;
+    std::vector<Edge> next;
+    uint32_t inputs = 0;
+    int deps = 0;
+    const auto joint_idx = static_cast<int64_t>(task.nodes.size());
+    for (std::size_t m = 0; m < members.size(); ++m) {
+      if (!present[m]) continue;
+      Node& n = task.nodes[member_idx[m]];
+      n.joined_into = joint_idx;
+      n.input_offset = inputs;
+      inputs += members[m]->num_inputs;
+      deps += n.deps;
+      n.deps = 0;
+      next.insert(next.end(), members[m]->next_functions.begin(), members[m]->next_functions.end());
+    }
+    auto fn = make_function(ClosureFunction{std::make_shared<JointImpl>(members, runner, present)},
+                            std::move(next), inputs);
+    task.joint_functions.push_back(fn);
+    Node joint;
+    joint.fn = fn.get();
+    joint.deps = deps;
+    task.nodes.push_back(std::move(joint));
+    task.index.emplace(fn.get(), static_cast<uint32_t>(joint_idx));
+  }
 }
 
 void record_error(GraphTask& task, const Function& fn) {
@@ -473,6 +654,8 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
     }
   }
 
+  if (!options.create_graph) form_joint_nodes(task);
+
   AutoGradMode grad_mode(options.create_graph);
   std::vector<uint32_t> ready;
   {
@@ -507,6 +690,7 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
     std::lock_guard<std::mutex> lock(task.mutex);
     task.nodes.clear();
     task.index.clear();
+    task.joint_functions.clear();
   }
   if (task.error) rethrow_with_name(task);
   return captured;

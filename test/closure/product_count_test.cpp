@@ -262,12 +262,14 @@ sj::CompileOptions options(int derivatives) {
   return o;
 }
 
-/// The PINN step (n = 256, h = 16) measured with the net compiled for 3 derivatives and
-/// CompileOptions::cross_stage_gradients set to `cross_stage_gradients`.
-Measured measure_pinn_staged(bool cross_stage_gradients) {
+/// The PINN step (n = 256, h = 16) measured with the net compiled for 3 derivatives,
+/// CompileOptions::cross_stage_gradients set to `cross_stage_gradients` and
+/// CompileOptions::joint_backward to `joint_backward`.
+Measured measure_pinn_staged(bool cross_stage_gradients, bool joint_backward = true) {
   const auto data = pinn_data(256, 16);
   sj::CompileOptions o = options(3);
   o.cross_stage_gradients = cross_stage_gradients;
+  o.joint_backward = joint_backward;
   auto net = sj::compile(&mlp, o);
   auto loss = sj::compile(&mlp_loss, options(1));
   return measure(data, net, loss, sj_step, sj_loss_step, torch_step);
@@ -294,15 +296,25 @@ TEST_CASE("product count: the PINN step's compiled modes do no more product FLOP
   CHECK(m.whole.flops <= m.eager.flops);
 }
 
-// Without cross-stage gradients (set off: each backward stage differentiates back through
-// the forward on its own) the staged PINN runs more products than eager: 36 against 27
-// here, 2 605 056 against 1 777 664 FLOPs. That is the mode chosen for tall inputs with
-// narrow layers, where the repeated sweeps run in row tiles (bench/higher_order.md).
-TEST_CASE("product count: the PINN step staged without cross-stage gradients re-differentiates the forward") {
-  const Measured m = measure_pinn_staged(false);
+// Without cross-stage gradients and without the joint backward (each backward stage
+// differentiates back through the forward on its own) the staged PINN runs more products
+// than eager: 36 against 27 here, 2 605 056 against 1 777 664 FLOPs (the final grad ran
+// stage 3, 2 and 1 variants of 13 + 8 + 5 products).
+TEST_CASE("product count: the PINN step staged one stage at a time re-differentiates the forward") {
+  const Measured m = measure_pinn_staged(false, /*joint_backward=*/false);
   CHECK(m.staged.calls == 36);
   CHECK(m.staged.flops == doctest::Approx(2605056.0));
   CHECK(m.eager.flops == doctest::Approx(1777664.0));
+}
+
+// With the joint backward (the default; Note [Joint backward] in
+// closure/autograd_closure.hpp) that final grad runs one joint-stage variant, which
+// differentiates the forward once: eager's products exactly.
+TEST_CASE("product count: the PINN step staged with the joint backward runs eager's products") {
+  const Measured m = measure_pinn_staged(false);
+  CHECK(m.staged.calls == m.eager.calls);
+  CHECK(m.staged.flops == doctest::Approx(m.eager.flops));
+  CHECK(m.whole.flops <= m.eager.flops);
 }
 
 // The staged mode with CompileOptions::cross_stage_gradients: each backward stage stops at

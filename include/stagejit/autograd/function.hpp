@@ -17,6 +17,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <variant>
@@ -122,6 +123,22 @@ class ClosureImpl {
   /// work would (the sums belong to it; from glibc, an 800 KiB sum per call is a fresh
   /// mapping faulted in page by page).
   virtual bool caches_host_memory() const { return false; }
+  /// Note [Joint backward] (closure/autograd_closure.hpp): the Functions whose calls this
+  /// closure can run together with its own as one unit of a backward, in its order, its
+  /// own Function among them, null where one is gone. Empty (the default): none. The
+  /// engine joins those a graph task reaches (none reaching another) into one Function
+  /// whose inputs and next_functions are the members', and calls `apply_joint`.
+  virtual std::vector<std::shared_ptr<Function>> joint_members() const { return {}; }
+  /// Runs the members of `joint_members()` together: `inputs[m]` the incoming gradients
+  /// of member m (empty: not part of the backward), `needed[m]` which of its outputs the
+  /// backward needs. Returns each member's outputs (sized as its next_functions), or
+  /// nullopt when it cannot (the engine then applies the members one by one).
+  virtual std::optional<std::vector<variable_list>> apply_joint(std::vector<variable_list> inputs,
+                                                                const std::vector<std::vector<char>>& needed) {
+    (void)inputs;
+    (void)needed;
+    return std::nullopt;
+  }
 };
 struct ClosureFunction { std::shared_ptr<ClosureImpl> impl; };
 

@@ -29,6 +29,26 @@
 ///   a later stage reading it throws `Error` when it was modified in place since, as
 ///   libtorch refuses a saved variable modified in place. A gradient fed to stage k >= 1
 ///   in another dtype than traced is cast to the traced dtype, as libtorch casts it.
+///
+/// Note [Joint backward]
+/// A loss that reads several stages of one call (a PINN's u, u_x and u_xx; energy and
+/// forces) reaches, in its final backward, the calls of stages 1..k of one chain: C1 (the
+/// grad_fn of u), C2 (made by C1's create_graph run: u_x's), ..., Ck. Run one by one, each
+/// differentiates back through the forward on its own (k sweeps of the forward's
+/// products where libtorch's one graph makes one). When the graph has a joint stage
+/// (Note [Joint stage] in ir/graph.hpp: `CompileOptions::joint_backward`), the call of
+/// stage k names its chain's calls (`joint_members`), the engine runs those the backward
+/// reaches as one node once all their gradients are in (Note [Joint nodes] in
+/// src/engine.cpp), and that node runs the joint stage's variant for what arrived
+/// (`apply_joint`): one sweep, the members' incoming gradients as its inputs (a member
+/// the backward does not reach is a symbolic zero), from the environment of the call of
+/// stage k, which holds every value of stages 0..k-1 the joint stage reads. Its outputs
+/// are the total gradients of the inputs of stages 0..k-1, which the call of stage k's
+/// edges lead to (the other members' edges are a subset of them); the other members
+/// return nothing. Not joined (the calls run one by one, as before): in create_graph
+/// backwards (the joint stage records no graph), when a member reaches another through
+/// the backward graph (a grad output computed from u), and with cross-stage gradients,
+/// whose calls feed each other.
 
 #include <stagejit/autograd/engine.hpp>
 #include <stagejit/autograd/function.hpp>
@@ -45,6 +65,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -72,6 +93,12 @@ struct MultiStageClosure {
   /// Run each call through the stage variant for what it needs
   /// (`CompileOptions::specialize`, Note [Stage variants]).
   bool specialize = false;
+  /// The graph's joint stage (Note [Joint stage] in ir/graph.hpp), 0 when it has none;
+  /// `stages` holds the regular stages only, the joint one runs through variants
+  /// (`joint_variant`, Note [Joint backward]).
+  std::size_t joint_stage = 0;
+  /// The earlier-stage tensors the joint stage reads (as `StageClosure::prev_slots`).
+  std::vector<std::size_t> joint_prev_slots;
 
   /// Builds every stage's closure. `graph` is the optimised graph of `trace` (same
   /// inputs and outputs). Throws `CompileError` (see StageClosure).
@@ -82,8 +109,11 @@ struct MultiStageClosure {
       : graph(std::move(g)), plan(*graph), tile_rows_(tile_rows) {
     STAGEJIT_CHECK_AS(CompileError, trace.num_stages() == plan.num_stages(), "closure: trace has ",
                       trace.num_stages(), " stages but the graph has ", plan.num_stages());
+    STAGEJIT_CHECK_AS(CompileError, trace.joint_stage() == graph->joint_stage(),
+                      "closure: the trace's joint stage is ", trace.joint_stage(), ", the graph's ",
+                      graph->joint_stage());
     build_stages();
-    for (std::size_t s = 0; s < plan.num_stages(); ++s) {
+    for (std::size_t s = 0; s < stages.size(); ++s) {
       flags.push_back(trace.flags(s));
       gradient_of.push_back(trace.gradient_of(s));
       feeds.push_back(trace.feeds(s));
@@ -98,6 +128,7 @@ struct MultiStageClosure {
     build_stages();
   }
 
+  /// Number of regular stages (derivatives + 1; the joint stage is not one).
   std::size_t num_stages() const noexcept { return stages.size(); }
 
   /// The closure serving `key`: the full stage for a full key, else the cached variant
@@ -121,7 +152,9 @@ struct MultiStageClosure {
     std::shared_ptr<const StageVariant> built;
     try {
       fusion::KernelBatchScope kernels;  // the variant's kernels: compiled together
-      built = build_stage_variant(*graph, plan, stages.at(key.stage).prev_slots, key, tile_rows_);
+      const auto& prev = joint_stage != 0 && key.stage == joint_stage ? joint_prev_slots
+                                                                       : stages.at(key.stage).prev_slots;
+      built = build_stage_variant(*graph, plan, prev, key, tile_rows_);
     } catch (...) {
       built = nullptr;  // the full stage serves this key (correct, only slower)
     }
@@ -159,11 +192,16 @@ struct MultiStageClosure {
   mutable std::size_t variants_built_ = 0;
 
   void build_stages() {
-    stages.reserve(plan.num_stages());
-    for (std::size_t s = 0; s < plan.num_stages(); ++s) {
+    joint_stage = graph->joint_stage();
+    const std::size_t regular = joint_stage != 0 ? joint_stage : plan.num_stages();
+    stages.reserve(regular);
+    for (std::size_t s = 0; s < regular; ++s) {
       stages.emplace_back(plan, s, nullptr, tile_rows_);
       stages.back().install_handle_callbacks(plan);
     }
+    if (joint_stage != 0)
+      for (std::size_t slot : plan.uses_from_earlier(joint_stage))
+        if (!plan.slot_value(slot)->is_handle()) joint_prev_slots.push_back(slot);
   }
 };
 
@@ -204,29 +242,90 @@ class StageCall final : public ClosureImpl {
   /// computed and everything later stages read is captured.
   void run(const variable_list& inputs, CallState& state, const std::vector<char>* needed = nullptr,
            bool captures = true) const {
+    run_stage(stage_, inputs, state, needed, captures);
+  }
+
+  /// Note [Joint backward]: the Functions of the calls of stages 1..k of this call's chain
+  /// (this call is of stage k, the last, and the graph has a joint stage), earliest
+  /// first, this call's own last; null where a call is gone. Empty otherwise.
+  std::vector<std::shared_ptr<Function>> joint_members() const override {
     const auto& d = *desc_;
-    const auto& stage_inputs = d.plan.stage_inputs(stage_);
-    STAGEJIT_CHECK(inputs.size() == stage_inputs.size(), "compiled stage ", stage_, " expects ",
+    if (d.joint_stage == 0 || stage_ + 1 != d.joint_stage || stage_functions_.size() <= stage_) return {};
+    std::vector<std::shared_ptr<Function>> members;
+    for (std::size_t t = 1; t <= stage_; ++t) members.push_back(stage_functions_[t].lock());
+    return members;
+  }
+
+  /// Note [Joint backward]: runs the joint stage for the calls of `joint_members()`, from
+  /// this call's environment: `inputs[m]` are the incoming gradients of member m (empty:
+  /// the member is not part of the backward, its gradients are zeros), `needed[m]` which
+  /// of its outputs the backward needs. The joint stage's outputs are this call's (the
+  /// total gradients of the inputs of stages 0..k-1); the other members' come back
+  /// undefined. Nullopt (the engine then applies the members one by one) in grad mode
+  /// (the joint stage records no graph), without specialisation, or when the joint
+  /// stage's variant cannot be built.
+  std::optional<std::vector<variable_list>> apply_joint(
+      std::vector<variable_list> inputs, const std::vector<std::vector<char>>& needed) override {
+    const auto& d = *desc_;
+    const std::size_t J = d.joint_stage;
+    if (J == 0 || stage_ + 1 != J || !d.specialize || GradMode::is_enabled() || inputs.size() != stage_ ||
+        needed.size() != stage_)
+      return std::nullopt;
+    variable_list joint_inputs;
+    joint_inputs.reserve(d.plan.stage_inputs(J).size());
+    for (std::size_t m = 0; m < inputs.size(); ++m) {
+      const std::size_t count = d.flags[m + 1].inputs.size();
+      STAGEJIT_CHECK(inputs[m].empty() || inputs[m].size() == count, "compiled stage ", m + 1,
+                     ": joint backward got ", inputs[m].size(), " gradients, expected ", count);
+      for (std::size_t i = 0; i < count; ++i) joint_inputs.push_back(inputs[m].empty() ? Variable() : inputs[m][i]);
+    }
+    if (joint_inputs.size() != d.plan.stage_inputs(J).size()) return std::nullopt;
+    std::vector<char> mask = needed.back();
+    mask.resize(d.plan.stage_outputs(J).size(), 1);
+    CallState state;
+    if (!run_stage(J, joint_inputs, state, &mask, /*captures=*/false)) return std::nullopt;
+    std::vector<variable_list> outs(inputs.size());
+    for (std::size_t m = 0; m + 1 < inputs.size(); ++m) outs[m].resize(d.gradient_of[m + 1].size());
+    outs.back() = std::move(state.outputs);
+    return outs;
+  }
+
+ private:
+  /// `run` for stage `s`: this call's stage or the joint stage (Note [Joint backward]).
+  /// Returns false (nothing run) when `s` is the joint stage and its variant cannot be built.
+  bool run_stage(std::size_t s, const variable_list& inputs, CallState& state, const std::vector<char>* needed,
+                 bool captures) const {
+    const auto& d = *desc_;
+    const bool joint = d.joint_stage != 0 && s == d.joint_stage;
+    const auto& stage_inputs = d.plan.stage_inputs(s);
+    STAGEJIT_CHECK(inputs.size() == stage_inputs.size(), "compiled stage ", s, " expects ",
                    stage_inputs.size(), " inputs, got ", inputs.size());
-    const StageClosure* chosen = &d.stages[stage_];
+    const StageClosure* full = joint ? nullptr : &d.stages[s];
+    const StageClosure* chosen = full;
     auto prev_defined = [&](std::size_t slot) {
       return slot < env_values_.size() && env_values_[slot].defined();
     };
-    if (d.specialize) {
+    if (d.specialize || joint) {
       StageVariantKey key;
-      key.stage = stage_;
-      const auto& full_prev = d.stages[stage_].prev_slots;
+      key.stage = s;
+      const auto& full_prev = joint ? d.joint_prev_slots : full->prev_slots;
       key.defined_inputs.resize(inputs.size() + full_prev.size());
       for (std::size_t i = 0; i < inputs.size(); ++i) key.defined_inputs[i] = inputs[i].defined();
       for (std::size_t i = 0; i < full_prev.size(); ++i)
         key.defined_inputs[inputs.size() + i] = prev_defined(full_prev[i]);
-      key.needed_outputs = needed ? *needed : std::vector<char>(d.plan.stage_outputs(stage_).size(), 1);
+      key.needed_outputs = needed ? *needed : std::vector<char>(d.plan.stage_outputs(s).size(), 1);
       // A stage that captures nothing (the last one) is the same with or without.
-      key.captures = captures || d.plan.captures(stage_).empty();
-      chosen = &d.closure_for(key);
+      key.captures = captures || d.plan.captures(s).empty();
+      if (joint) {
+        auto v = d.variant(key);  // never the full stage: it is not built ahead
+        if (!v) return false;
+        chosen = &v->closure;
+      } else {
+        chosen = &d.closure_for(key);
+      }
     }
     const StageClosure& sc = *chosen;
-    const bool zeros_are_symbolic = chosen != &d.stages[stage_];
+    const bool zeros_are_symbolic = chosen != full;
     variable_list leaves;
     leaves.reserve(sc.roots.size());
     for (std::size_t i = 0; i < inputs.size(); ++i) {
@@ -237,14 +336,14 @@ class StageCall final : public ClosureImpl {
       }
       if (!inputs[i].defined()) {
         // Undefined gradient: zeros of the traced shape.
-        STAGEJIT_CHECK(type, "compiled stage ", stage_, ": input ", i, " is undefined and its "
+        STAGEJIT_CHECK(type, "compiled stage ", s, ": input ", i, " is undefined and its "
                        "traced type is unknown");
         leaves.emplace_back(at::zeros(type->sizes, at::TensorOptions().dtype(type->dtype).device(type->device)));
         continue;
       }
-      if (type && stage_ > 0) {
+      if (type && s > 0) {
         STAGEJIT_CHECK_AS(ShapeError, inputs[i].sizes() == at::IntArrayRef(type->sizes),
-                          "compiled stage ", stage_, ": input ", i, " has shape ",
+                          "compiled stage ", s, ": input ", i, " has shape ",
                           inputs[i].sizes(), " and dtype ", inputs[i].scalar_type(),
                           ", traced with ", at::IntArrayRef(type->sizes), " and ", type->dtype);
         // A gradient of another dtype is cast to the traced one, as libtorch's engine
@@ -284,7 +383,10 @@ class StageCall final : public ClosureImpl {
     options.cache_host_memory = d.cache_host_memory;
     execute(sc.roots, leaves, options, sc.callbacks, &state);
     state.outputs.resize(sc.num_outputs);
+    return true;
   }
+
+ public:
 
   /// The call of stage `stage() + 1` primed with what this call captured in `state` (only
   /// the cross-stage values and Handles a later stage reads), for `run`. Throws `Error` at
@@ -458,7 +560,7 @@ class StageCall final : public ClosureImpl {
                                             std::move(versions));
     const auto num_grads = static_cast<uint32_t>(d.flags[next].inputs.size());
     auto fn = make_function(ClosureFunction{impl}, std::move(next_edges), num_grads);
-    if (d.cross_stage) {
+    if (d.cross_stage || d.joint_stage != 0) {
       impl->stage_functions_ = stage_functions_;
       impl->stage_functions_.resize(d.num_stages());
       impl->stage_functions_[next] = fn;
@@ -520,8 +622,9 @@ class StageCall final : public ClosureImpl {
   std::vector<Edge> input_edges_;
   std::vector<int64_t> env_versions_;  ///< per slot: the env value's version when captured, or -1
   /// Per stage t >= 1: the Function of stage t of this chain of calls (the grad_fn an
-  /// earlier call made), where cross-stage gradients of stage t-1's values go. Weak: a
-  /// later call's next_functions hold the ones it feeds.
+  /// earlier call made), where cross-stage gradients of stage t-1's values go, and the
+  /// members of a joint backward (Note [Joint backward]). Weak: a later call's
+  /// next_functions hold the ones it feeds.
   std::vector<std::weak_ptr<Function>> stage_functions_;
   std::string name_;
 };

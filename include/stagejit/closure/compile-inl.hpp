@@ -266,7 +266,7 @@ STAGEJIT_FUNC std::shared_ptr<const closure::MultiStageClosure> CompiledFunction
   bool on_meta = false;  // the trace kept was taken on meta tensors
   auto traced = [&](bool cross_stage) {
     detail::GeneratorStates saved;
-    const TraceOptions topts{o.derivatives, cross_stage};
+    const TraceOptions topts{o.derivatives, cross_stage, o.joint_backward && !cross_stage};
     on_meta = false;
     if (o.trace_on_meta)
       if (std::optional<Trace> t = detail::trace_on_meta(state_->fn, leaves, topts)) {

@@ -74,6 +74,13 @@ struct CompileOptions {
   /// layers). `Stats::cross_stage_traces` counts the specs
   /// traced with it; `closure_for(inputs)->cross_stage` says it for one spec.
   std::optional<bool> cross_stage_gradients = std::nullopt;
+  /// With two or more derivatives and without cross-stage gradients: also compile the
+  /// joint backward of stages 1..k (Note [Joint stage] in ir/graph.hpp), so that one
+  /// backward reaching several stage calls of one chain (a loss on u, u_x and u_xx)
+  /// runs one compiled sweep, differentiating the forward once, where the stages would
+  /// run one after another, each differentiating it again (Note [Joint backward] in
+  /// closure/autograd_closure.hpp). Its variants are built on first use.
+  bool joint_backward = true;
   /// Rows per tile of each stage's row-tiled region (closure/tiled_plan.hpp, Note
   /// [Row-tiled regions]): the nodes of a stage that work row by row on tensors of at
   /// least `max(2 * tile_rows, 2048)` rows (fused kernels, thin products, weight and

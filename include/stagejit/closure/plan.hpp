@@ -74,6 +74,9 @@ class CrossStagePlan {
       std::size_t def = v->stage();
       STAGEJIT_CHECK_AS(CompileError, def <= user_stage, what, " of stage ", user_stage,
                         " uses ", ir::value_label(v), " of the later stage ", def);
+      STAGEJIT_CHECK_AS(CompileError, graph.stage_reads(user_stage, def), what, " of the joint stage ",
+                        user_stage, " uses ", ir::value_label(v), " of stage ", def,
+                        ", beside which it runs (Note [Joint stage] in ir/graph.hpp)");
       if (def == user_stage) return;
       std::size_t slot = slot_for(v);
       add_once(uses_from_earlier_[user_stage], in_uses[user_stage], slot);

@@ -96,9 +96,12 @@ struct StageVariant {
 
 namespace detail {
 
+// Whether use `u` belongs to a stage that runs after a call of stage `s`, from what that
+// call leaves: a later stage, but not the joint stage beside `s` (Note [Joint stage] in
+// ir/graph.hpp), which runs from the environment `s` was primed with, not from its call.
 inline bool later_use(const ir::Graph& g, const ir::Use& u, std::size_t s) {
-  if (u.user == g.return_node()) return g.output_stage(u.offset) > s;
-  return u.user->stage() > s;
+  const std::size_t t = u.user == g.return_node() ? g.output_stage(u.offset) : u.user->stage();
+  return t > s && !(g.joint_stage() != 0 && t == g.joint_stage() && s + 1 == t);
 }
 
 }  // namespace detail
@@ -157,7 +160,9 @@ inline std::shared_ptr<const StageVariant> build_stage_variant(
   // Later stages: cut (no captures) or pin the nodes they read.
   std::vector<char> pinned(g->id_bound(), 0);
   {
-    ir::Value* cut = nullptr;
+    // One Undefined per reading stage, made at that stage (the joint stage, which reads
+    // no value of the stage before it, gets its own).
+    std::vector<ir::Value*> cut(g->num_stages(), nullptr);
     for (ir::Value* v : stage_values) {
       auto uses = v->uses();
       for (const ir::Use& u : uses) {
@@ -166,8 +171,10 @@ inline std::shared_ptr<const StageVariant> build_stage_variant(
           if (!v->node()->is<ir::Param>()) pinned[v->node()->id()] = 1;
           continue;
         }
-        if (!cut) cut = undefined_at(s + 1 < g->num_stages() ? s + 1 : s);
-        u.user->replace_input(u.offset, cut);
+        std::size_t t = u.user == g->return_node() ? g->output_stage(u.offset) : u.user->stage();
+        if (!(g->joint_stage() != 0 && t == g->joint_stage())) t = s + 1 < g->num_stages() ? s + 1 : s;
+        if (!cut[t]) cut[t] = undefined_at(t);
+        u.user->replace_input(u.offset, cut[t]);
       }
     }
   }

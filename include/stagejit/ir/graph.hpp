@@ -12,6 +12,12 @@
 /// stage; the graph stores how many outputs each stage has (`stage_output_counts()`),
 /// one entry per stage, so an empty stage keeps its (empty) group.
 ///
+/// Note [Joint stage]: a traced graph of k >= 2 derivatives may end with one more stage,
+/// k + 1, the *joint* backward of stages 1..k (`TraceOptions::joint_backward`): the
+/// backward of the outputs of stages 0..k-1 together, one sweep where stages 1..k would
+/// sweep the forward once each. It reads values of stages 0..k-1, never of stage k,
+/// beside which it runs (`Graph::stage_reads`).
+///
 /// Note [Handles]: a Handle value (an opaque backward closure) is only ever the last
 /// output of a HostOp or Eval node and the last input of an Eval node (`ir::lint`).
 ///
@@ -370,6 +376,21 @@ class Graph {
     ensure_stage(stage);
     current_stage_ = stage;
   }
+  /// The joint stage (Note [Joint stage]), or 0 when the graph has none.
+  size_t joint_stage() const noexcept { return joint_stage_; }
+  /// Marks `stage` (>= 3, the last stage) as the joint stage; 0 clears it.
+  void set_joint_stage(size_t stage) {
+    STAGEJIT_CHECK_AS(IrError, stage == 0 || (stage >= 3 && stage + 1 == num_stages()),
+                      "set_joint_stage: stage ", stage, " of a graph of ", num_stages(),
+                      " stages (the joint stage is the last one, after at least two backward stages)");
+    joint_stage_ = stage;
+  }
+  /// Whether a node of stage `reader` may read a value of stage `producer`: an earlier
+  /// or the same stage, except that the joint stage does not read the stage before it
+  /// (Note [Joint stage]).
+  bool stage_reads(size_t reader, size_t producer) const noexcept {
+    return producer <= reader && !(joint_stage_ != 0 && reader == joint_stage_ && producer + 1 == reader);
+  }
 
   // ---------------------------------------------------------------- nodes
   /// Makes an unlisted node of `kind` at `current_stage()` with `inputs` and one output
@@ -445,6 +466,7 @@ class Graph {
   std::vector<Value*> inputs_;
   std::vector<size_t> stage_output_counts_;
   size_t current_stage_ = 0;
+  size_t joint_stage_ = 0;  // Note [Joint stage]
   size_t next_id_ = 0;
 };
 

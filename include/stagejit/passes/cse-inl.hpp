@@ -73,7 +73,7 @@ STAGEJIT_FUNC size_t eliminate_common_subexpressions(ir::Graph& graph) {
     ir::Node* keep = nullptr;
     auto [b, e] = seen.equal_range(h);
     for (auto it = b; it != e; ++it)
-      if (it->second->stage() <= n->stage() && detail::cse_equal(it->second, n)) {
+      if (graph.stage_reads(n->stage(), it->second->stage()) && detail::cse_equal(it->second, n)) {
         keep = it->second;
         break;
       }

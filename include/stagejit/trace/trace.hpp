@@ -73,6 +73,14 @@ struct TraceOptions {
   /// its outputs are the whole gradients of the earlier inputs. `compile` passes
   /// `CompileOptions::cross_stage_gradients`: through autograd the results are the same.
   bool cross_stage_gradients = false;
+  /// Note [Joint stage] (ir/graph.hpp), k >= 2, without cross-stage gradients: after
+  /// stage k, record stage k + 1, the backward of the outputs of stages 0..k-1 together
+  /// (one gradient input per input of stages 1..k, in that order; the outputs are the
+  /// gradients stage k returns, `gradient_of(k + 1) == gradient_of(k)`). A compiled call
+  /// of stage k runs it in place of the calls of stages 1..k of its chain that one
+  /// backward reaches (closure/autograd_closure.hpp, Note [Joint backward]). Not recorded
+  /// when the graph holds an opaque host function.
+  bool joint_backward = false;
 };
 
 /// A stage input named by stage and position among that stage's inputs.
@@ -84,7 +92,8 @@ struct StageInputRef {
 
 class Trace;
 namespace detail {
-STAGEJIT_FUNC Trace trace_stages(const traced_fn& fn, const variable_list& inputs, std::size_t k, bool cut);
+STAGEJIT_FUNC Trace trace_stages(const traced_fn& fn, const variable_list& inputs, std::size_t k, bool cut,
+                                 bool joint);
 }
 
 /// What the trace saw of one Variable (docs/seed-system.md §2.1 VariableFlags without `volatile`).
@@ -129,8 +138,10 @@ class Trace {
     check_eager("stage_inputs");
     return stage_inputs_.at(s);
   }
-  /// Number of stages (derivatives + 1).
+  /// Number of stages (derivatives + 1, and the joint stage when there is one).
   std::size_t num_stages() const noexcept { return flags_.size(); }
+  /// The joint stage (`TraceOptions::joint_backward`, Note [Joint stage]), or 0.
+  std::size_t joint_stage() const noexcept { return graph_ ? graph_->joint_stage() : 0; }
   /// Input and output flags of stage `s` (docs/seed-system.md §2.5).
   const StageFlags& flags(std::size_t s) const { return flags_.at(s); }
   /// For s >= 1: the autograd edges stage s's outputs flow into at trace time (the
@@ -173,7 +184,7 @@ class Trace {
                    "(drop_eager_results)");
   }
   friend Trace trace(const traced_fn&, const variable_list&, TraceOptions);
-  friend Trace detail::trace_stages(const traced_fn&, const variable_list&, std::size_t, bool);
+  friend Trace detail::trace_stages(const traced_fn&, const variable_list&, std::size_t, bool, bool);
   std::shared_ptr<ir::Graph> graph_;
   std::vector<variable_list> stage_outputs_;
   std::vector<variable_list> stage_inputs_;

@@ -222,7 +222,8 @@ STAGEJIT_FUNC std::pair<std::vector<std::vector<char>>, std::vector<ir::Value*>>
   return {std::move(erase_outputs), std::move(dead_inputs)};
 }
 
-STAGEJIT_FUNC Trace trace_stages(const traced_fn& fn, const variable_list& inputs, std::size_t k, bool cut) {
+STAGEJIT_FUNC Trace trace_stages(const traced_fn& fn, const variable_list& inputs, std::size_t k, bool cut,
+                                 bool joint) {
   detail::TracingState state;
   Trace t;
   t.graph_ = state.graph();
@@ -374,7 +375,55 @@ STAGEJIT_FUNC Trace trace_stages(const traced_fn& fn, const variable_list& input
     all_input_values = t.graph_->inputs();
   }
   state.set_cutting(false);
-  if (!cut) return t;
+  if (!cut) {
+    // Note [Joint stage]: stage k + 1, one backward of every output of stages 0..k-1
+    // that a stage 1..k differentiates, each with a fresh grad output of its own (the
+    // joint stage's inputs, stage by stage), into the inputs stage k differentiates to.
+    // Not recorded when the graph holds an opaque host function (its Handles belong to
+    // one stage's backward).
+    if (!joint || k < 2) return t;
+    ir::Graph& g = *t.graph_;
+    for (ir::Node* n : g.nodes())
+      if (n->is<ir::HostOp>() || n->is<ir::Eval>()) return t;
+    const std::size_t J = k + 1;
+    StageFlags flags;
+    variable_list roots_vars, grad_outputs;
+    state.begin_stage(J);
+    for (std::size_t s = 1; s <= k; ++s)
+      for (const Variable& out : t.stage_outputs_[s - 1]) {
+        if (!out.defined() || !out.requires_grad()) continue;
+        Variable gv(at::ones_like(out.data()), /*requires_grad=*/false);
+        roots_vars.push_back(out);
+        grad_outputs.push_back(gv);
+        flags.inputs.push_back(VariableFlags::of(gv));
+        state.add_input(gv, J);
+      }
+    const std::vector<Edge> capture = t.output_edges_[k];
+    variable_list grads(capture.size());
+    if (!roots_vars.empty() && !capture.empty()) {
+      std::vector<Edge> roots;
+      for (const auto& o : roots_vars) roots.push_back(o.gradient_edge());
+      ExecuteOptions opts;
+      opts.create_graph = false;
+      opts.keep_graph = true;
+      opts.single_threaded = true;
+      opts.capture = capture;
+      grads = execute(roots, grad_outputs, opts);
+    }
+    for (std::size_t i = 0; i < grads.size(); ++i) {
+      state.add_output(grads[i], J, i, /*require_traced=*/false);
+      flags.outputs.push_back(VariableFlags::of(grads[i]));
+    }
+    t.stage_inputs_.push_back(grad_outputs);
+    t.stage_outputs_.push_back(grads);
+    t.flags_.push_back(std::move(flags));
+    t.output_edges_.push_back(capture);
+    std::vector<std::size_t> gradient_of_k = t.gradient_of_[k];
+    t.gradient_of_.push_back(std::move(gradient_of_k));
+    t.feeds_.emplace_back();
+    g.set_joint_stage(J);
+    return t;
+  }
 
   // ---- prune the gradient inputs nobody feeds (Note [Cross-stage gradients]).
   ir::Graph& g = *t.graph_;
@@ -438,12 +487,12 @@ STAGEJIT_FUNC Trace trace(const traced_fn& fn, const variable_list& inputs, Trac
   const std::size_t k = static_cast<std::size_t>(options.derivatives);
   if (options.cross_stage_gradients && k >= 2) {
     try {
-      return detail::trace_stages(fn, inputs, k, /*cut=*/true);
+      return detail::trace_stages(fn, inputs, k, /*cut=*/true, /*joint=*/false);
     } catch (const detail::CrossStageFallback&) {
       // traced again below, each stage differentiating through the earlier ones
     }
   }
-  return detail::trace_stages(fn, inputs, k, /*cut=*/false);
+  return detail::trace_stages(fn, inputs, k, /*cut=*/false, options.joint_backward);
 }
 
 }  // namespace stagejit

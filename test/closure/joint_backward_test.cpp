@@ -1,0 +1,183 @@
+// The joint backward of a staged call (Note [Joint stage] in ir/graph.hpp, Note [Joint
+// backward] in closure/autograd_closure.hpp, Note [Joint nodes] in src/engine.cpp; issue
+// 32 item 3): one backward that reaches the compiled calls of stages 1..k of one chain
+// (a PINN loss on u, u_x and u_xx) runs them as one compiled sweep. Checked against
+// libtorch's autograd in double, for the full chain, a chain with a member left out, a
+// chain whose members reach each other (not joined), create_graph (not joined) and with
+// the option off; and against the IR: the joint stage's variant is what ran.
+#include <stagejit/compiler.hpp>
+#include <stagejit/testing/doctest.hpp>
+
+#include "../support/pinn_step.hpp"
+
+#include <cmath>
+#include <string>
+
+namespace sj = stagejit;
+using namespace sj::testing::pinn_step;
+
+namespace {
+
+std::vector<at::Tensor> data_of(int64_t n, int64_t h) {
+  return {at::rand({n, 2}, at::kDouble) * 2 - 1, at::randn({2, h}, at::kDouble) * 0.7,
+          at::randn({h}, at::kDouble) * 0.1,     at::randn({h, h}, at::kDouble) / std::sqrt(double(h)),
+          at::randn({h}, at::kDouble) * 0.1,     at::randn({h, 1}, at::kDouble) / std::sqrt(double(h))};
+}
+
+sj::variable_list inputs_of(const std::vector<at::Tensor>& data) {
+  sj::variable_list in;
+  for (const auto& t : data) in.emplace_back(t, true);
+  return in;
+}
+
+std::vector<torch::Tensor> torch_inputs(const std::vector<at::Tensor>& data) {
+  std::vector<torch::Tensor> in;
+  for (const auto& t : data) in.push_back(t.detach().clone().set_requires_grad(true));
+  return in;
+}
+
+double rel(const at::Tensor& got, const at::Tensor& want) {
+  return (got - want).abs().max().item<double>() / (1.0 + want.abs().max().item<double>());
+}
+
+void check_grads(const std::vector<at::Tensor>& got, const std::vector<torch::Tensor>& want) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(got[i].defined());
+    CHECK(rel(got[i], want[i]) <= 1e-10);
+  }
+}
+
+// The variants of the joint stage that were built (Note [Joint backward]).
+std::size_t joint_variants(const sj::closure::MultiStageClosure& c) {
+  std::size_t n = 0;
+  for (const auto& v : c.variants()) n += c.joint_stage != 0 && v->key.stage == c.joint_stage;
+  return n;
+}
+
+// Variants of the regular backward stages built without captures (what a final backward
+// through the calls one by one runs).
+std::size_t non_capturing_backward_variants(const sj::closure::MultiStageClosure& c) {
+  std::size_t n = 0;
+  for (const auto& v : c.variants())
+    n += v->key.stage >= 1 && v->key.stage < c.num_stages() && !v->key.captures;
+  return n;
+}
+
+}  // namespace
+
+TEST_SUITE("closure") {
+
+TEST_CASE("joint backward: the PINN step's final backward runs the joint stage and equals libtorch") {
+  at::manual_seed(21);
+  for (int64_t n : {64, 4200}) {  // untiled, and row-tiled where LIBXSMM is found
+    CAPTURE(n);
+    const auto data = data_of(n, 8);
+    const Step want = torch_step(data);
+    auto net = sj::compile(mlp, {.derivatives = 3, .cross_stage_gradients = false});
+    for (int round = 0; round < 2; ++round) {
+      CAPTURE(round);
+      const Step got = sj_step(net, data);
+      CHECK(std::abs(got.loss - want.loss) <= 1e-12 * std::abs(want.loss));
+      check_grads(got.grads, {want.grads.begin(), want.grads.end()});
+    }
+    auto closure = net.closure_for(inputs_of(data));
+    REQUIRE(closure->joint_stage == 4);
+    CHECK(closure->num_stages() == 4);
+    CHECK(net.graph_for(inputs_of(data))->num_stages() == 5);
+    CHECK(joint_variants(*closure) == 1);
+    // The calls of stages 1..3 did not run one by one for the final backward.
+    CHECK(non_capturing_backward_variants(*closure) == 0);
+  }
+}
+
+TEST_CASE("joint backward: off, the stages run one by one with the same results") {
+  at::manual_seed(22);
+  const auto data = data_of(48, 6);
+  const Step want = torch_step(data);
+  auto net = sj::compile(mlp, {.derivatives = 3, .cross_stage_gradients = false, .joint_backward = false});
+  check_grads(sj_step(net, data).grads, {want.grads.begin(), want.grads.end()});
+  auto closure = net.closure_for(inputs_of(data));
+  CHECK(closure->joint_stage == 0);
+  CHECK(net.graph_for(inputs_of(data))->num_stages() == 4);
+  CHECK(non_capturing_backward_variants(*closure) > 0);
+}
+
+// A loss on u and u_xx only: the call of stage 2 (u_x's grad_fn) is not reached, so the
+// joint stage runs with its gradients as symbolic zeros.
+TEST_CASE("joint backward: a member the backward does not reach is a zero") {
+  at::manual_seed(23);
+  const auto data = data_of(40, 6);
+  auto tin = torch_inputs(data);
+  auto tu = torch_mlp(tin);
+  auto tdu = torch::autograd::grad({tu}, {tin[0]}, {torch::ones_like(tu)}, true, true)[0];
+  auto tddu = torch::autograd::grad({tdu}, {tin[0]}, {torch::ones_like(tdu)}, true, true)[0];
+  auto tloss = (tddu * tddu).sum() + (tu * tu * tu).sum();
+  std::vector<torch::Tensor> tparams(tin.begin() + 1, tin.end());
+  auto twant = torch::autograd::grad({tloss}, tparams);
+
+  auto net = sj::compile(mlp, {.derivatives = 3, .cross_stage_gradients = false});
+  for (int round = 0; round < 2; ++round) {
+    auto in = inputs_of(data);
+    auto u = net(in)[0];
+    auto du = sj::grad({u}, {in[0]}, {sj::Variable(at::ones_like(u.data()))}, true)[0];
+    auto ddu = sj::grad({du}, {in[0]}, {sj::Variable(at::ones_like(du.data()))}, true)[0];
+    auto loss = sj::add(sj::sum(sj::mul(ddu, ddu)), sj::sum(sj::mul(sj::mul(u, u), u)));
+    auto g = sj::grad({loss}, sj::variable_list(in.begin() + 1, in.end()));
+    std::vector<at::Tensor> got;
+    for (const auto& v : g) got.push_back(v.data());
+    check_grads(got, {twant.begin(), twant.end()});
+  }
+  CHECK(joint_variants(*net.closure_for(inputs_of(data))) == 1);
+}
+
+// The grad output fed to the call of stage 1 is computed from u: the call of stage 2
+// reaches the call of stage 1 through it, so the two cannot run as one (the joint node
+// would wait on itself) and run one after the other.
+TEST_CASE("joint backward: members that reach each other run one by one") {
+  at::manual_seed(24);
+  const auto data = data_of(32, 5);
+  auto tin = torch_inputs(data);
+  auto tu = torch_mlp(tin);
+  auto tdu = torch::autograd::grad({tu}, {tin[0]}, {torch::sin(tu)}, true, true)[0];
+  auto tloss = (tdu * tdu).sum() + tu.sum();
+  std::vector<torch::Tensor> tparams(tin.begin() + 1, tin.end());
+  auto twant = torch::autograd::grad({tloss}, tparams);
+
+  auto net = sj::compile(mlp, {.derivatives = 2, .cross_stage_gradients = false});
+  auto in = inputs_of(data);
+  auto u = net(in)[0];
+  auto du = sj::grad({u}, {in[0]}, {sj::sin(u)}, true)[0];
+  auto loss = sj::add(sj::sum(sj::mul(du, du)), sj::sum(u));
+  auto g = sj::grad({loss}, sj::variable_list(in.begin() + 1, in.end()));
+  std::vector<at::Tensor> got;
+  for (const auto& v : g) got.push_back(v.data());
+  check_grads(got, {twant.begin(), twant.end()});
+  CHECK(joint_variants(*net.closure_for(in)) == 0);
+}
+
+// create_graph on the final backward: the joint stage records no graph, so the calls run
+// one by one and the result can be differentiated again.
+TEST_CASE("joint backward: create_graph runs the stages one by one") {
+  at::manual_seed(25);
+  const auto data = data_of(24, 5);
+  auto tin = torch_inputs(data);
+  auto tu = torch_mlp(tin);
+  auto tdu = torch::autograd::grad({tu}, {tin[0]}, {torch::ones_like(tu)}, true, true)[0];
+  auto tloss = (tdu * tdu).sum() + (tu * tu).sum();
+  auto tg1 = torch::autograd::grad({tloss}, {tin[5]}, {}, true, true)[0];
+  auto twant = torch::autograd::grad({(tg1 * tg1).sum()}, {tin[5]})[0];
+
+  auto net = sj::compile(mlp, {.derivatives = 3, .cross_stage_gradients = false});
+  auto in = inputs_of(data);
+  auto u = net(in)[0];
+  auto du = sj::grad({u}, {in[0]}, {sj::Variable(at::ones_like(u.data()))}, true)[0];
+  auto loss = sj::add(sj::sum(sj::mul(du, du)), sj::sum(sj::mul(u, u)));
+  auto g1 = sj::grad({loss}, {in[5]}, {}, /*create_graph=*/true)[0];
+  CHECK(rel(g1.data(), tg1) <= 1e-10);
+  auto g2 = sj::grad({sj::sum(sj::mul(g1, g1))}, {in[5]})[0];
+  CHECK(rel(g2.data(), twant) <= 1e-10);
+}
+
+}  // TEST_SUITE
