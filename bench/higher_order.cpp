@@ -25,14 +25,20 @@
 // sizes), --first-call staged|compile-loss (only the first call of that compiled mode of
 // each selected workload, in a fresh kernel cache, and where its time goes; with
 // --warm-cache, in the default cache folder), --only MODE --steps N (after the first
-// round, N steps of that one mode and nothing else: the run to put under `perf record`).
+// round, N steps of that one mode and nothing else: the run to put under `perf record`),
+// --print-graphs (after one staged and one whole-loss step, the optimised graphs of the
+// staged net and of the whole loss, every stage, and nothing else).
 #include "../examples/cli.hpp"
 #include "../test/support/higher_order.hpp"
 #include "bench_util.hpp"
 #include "first_call.hpp"
 #include "gemm_profile.hpp"
 
+#include <stagejit/ir/printer.hpp>
+
 #include <CLI/CLI.hpp>
+
+#include <iostream>
 
 #include <algorithm>
 #include <cstdio>
@@ -212,6 +218,10 @@ int main(int argc, char** argv) {
                  "the run to put under perf record")
       ->check(CLI::IsMember(std::vector<std::string>(std::begin(kOnlyNames), std::end(kOnlyNames))));
   app.add_option("--steps", steps, "Steps of the --only mode")->capture_default_str()->check(CLI::PositiveNumber);
+  bool print_graphs = false;
+  app.add_flag("--print-graphs", print_graphs,
+               "After one staged and one whole-loss step, print the optimised graphs of the staged net and of "
+               "the whole loss (every stage), and nothing else");
   if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
   if (workloads.empty()) workloads = all;
 
@@ -244,6 +254,20 @@ int main(int argc, char** argv) {
           std::printf("%s, %s: error: %s\n", name.c_str(), dtype_name(dt), e.what());
           return 1;
         }
+      }
+    return 0;
+  }
+
+  if (print_graphs) {
+    for (at::ScalarType dt : dtypes)
+      for (const auto& name : workloads) {
+        auto w = ho::make_workload(name, dt, small);
+        (void)w->step(ho::Mode::Staged);
+        (void)w->step(ho::Mode::WholeLoss);
+        std::cout << "# " << name << ", " << dtype_name(dt) << ": the staged net\n"
+                  << *w->compiled_net().graph_for(w->last_net_inputs()) << "\n# " << name << ", "
+                  << dtype_name(dt) << ": the whole loss\n"
+                  << *w->compiled_loss().graph_for(w->last_loss_inputs()) << "\n";
       }
     return 0;
   }

@@ -3,6 +3,8 @@
 // they must refuse; and the mm / addmm ops that use them, with their gradients.
 #include <stagejit/stagejit.hpp>
 #include <stagejit/ops/small_gemm.hpp>
+
+#include <array>
 #include <stagejit/testing/doctest.hpp>
 
 #include "oracle.hpp"
@@ -19,7 +21,7 @@ double rel_diff(const at::Tensor& a, const at::Tensor& b) {
 
 TEST_SUITE("autograd") {
 
-TEST_CASE("small_mm equals ATen's mm for thin products in every dense layout") {
+TEST_CASE("small_mm equals ATen's mm for thin and medium products in every dense layout") {
   at::manual_seed(11);
   if (!sj::ops::small_mm_enabled()) {
     MESSAGE("stagejit built without LIBXSMM (or STAGEJIT_SMALL_GEMM=0): small_mm refuses every shape");
@@ -61,6 +63,34 @@ TEST_CASE("small_mm equals ATen's mm for thin products in every dense layout") {
       at::Tensor gt = at::randn({7, K}, dtype).t();
       CHECK(rel_diff(*sj::ops::small_mm(h.t(), gt), at::mm(h.t(), gt)) <= tol);
     }
+    // Medium (Note [Medium products]): layers of 128-256 units on 128 to 2 000 rows, with
+    // a row count that is not a multiple of the 64-row block; B read transposed (W^T,
+    // copied dense) and A read transposed (a weight gradient h^T g, K <= 512).
+    for (auto [M, K, N] : {std::array<int64_t, 3>{128, 256, 10}, {512, 256, 256}, {1000, 128, 128},
+                           {2000, 64, 256}, {130, 200, 100}}) {
+      CAPTURE(M);
+      CAPTURE(K);
+      CAPTURE(N);
+      at::Tensor a = at::randn({M, K}, dtype), w = at::randn({K, N}, dtype);
+      if (K * N * int64_t(a.element_size()) > 512 * 1024) continue;
+      auto p = sj::ops::small_mm(a, w);
+      REQUIRE(p.has_value());
+      CHECK(p->is_contiguous());
+      CHECK(rel_diff(*p, at::mm(a, w)) <= tol);
+      at::Tensor wt = at::randn({N, K}, dtype).t();
+      REQUIRE(sj::ops::small_mm(a, wt).has_value());
+      CHECK(rel_diff(*sj::ops::small_mm(a, wt), at::mm(a, wt)) <= tol);
+      if (K <= 512) {
+        at::Tensor at_ = at::randn({K, M}, dtype).t();
+        REQUIRE(sj::ops::small_mm(at_, w).has_value());
+        CHECK(rel_diff(*sj::ops::small_mm(at_, w), at::mm(at_, w)) <= tol);
+      }
+    }
+    // Past the medium bounds: B over 512 KiB, A transposed with K over 512, under 128 rows.
+    const int64_t wide = dtype == at::kFloat ? 512 : 256;
+    CHECK_FALSE(sj::ops::small_mm(at::randn({1000, 2 * wide}, dtype), at::randn({2 * wide, wide}, dtype)).has_value());
+    CHECK_FALSE(sj::ops::small_mm(at::randn({1024, 256}, dtype).t(), at::randn({1024, 64}, dtype)).has_value());
+    CHECK_FALSE(sj::ops::small_mm(at::randn({100, 128}, dtype), at::randn({128, 128}, dtype)).has_value());
   }
   // Refused: small or square shapes, broadcast (stride-0) operands, other dtypes, mixed
   // dtypes, operands that require grad, non-2-D operands.

@@ -193,6 +193,7 @@ class Workload {
     if (m == Mode::WholeLoss) {
       variable_list in = w;
       in.insert(in.end(), d.begin(), d.end());
+      last_loss_inputs_ = in;
       loss = loss_(in)[0];
     } else {
       const bool staged = m == Mode::Staged;
@@ -200,6 +201,7 @@ class Workload {
         if (!staged) return mlp<Variable>(x, p, act_);
         variable_list in{x};
         in.insert(in.end(), p.begin(), p.end());
+        last_net_inputs_ = in;
         return net_(in)[0];
       };
       loss = loss_sj(net, w, d);
@@ -212,6 +214,10 @@ class Workload {
   /// The staged mode's compiled network and the whole-loss mode's compiled loss.
   CompiledFunction& compiled_net() { return net_; }
   CompiledFunction& compiled_loss() { return loss_; }
+  /// The inputs of the last staged step's last call of the compiled net, and of the last
+  /// whole-loss step's compiled loss (empty before such a step): `graph_for` takes them.
+  const variable_list& last_net_inputs() const { return last_net_inputs_; }
+  const variable_list& last_loss_inputs() const { return last_loss_inputs_; }
 
  protected:
   using SjNet = std::function<Variable(const Variable&, const variable_list&)>;
@@ -290,6 +296,7 @@ class Workload {
   std::vector<char> data_grad_;
   std::size_t listed_ = 0;
   CompiledFunction net_, loss_;
+  variable_list last_net_inputs_, last_loss_inputs_;
 };
 
 /// Forwards the two virtual losses to `Derived::loss<V>(net, w, d)`.

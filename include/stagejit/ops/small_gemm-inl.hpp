@@ -38,6 +38,23 @@ constexpr int64_t kSmall = 64;       // K and N (tall) or M and N (reduction) at
 constexpr int64_t kLarge = 256;      // M (tall) or K (reduction) at least
 constexpr int64_t kRowBlock = 64;    // rows of A per kernel call (tall)
 constexpr int64_t kReduceBlock = 256;  // columns of A per kernel call (reduction)
+// "Medium" products (Note [Medium products]): M at least kMediumRows, B at most
+// kMediumBytes, and K at most kMediumTransposedK when A is read transposed.
+constexpr int64_t kMediumRows = 128;
+constexpr int64_t kMediumBytes = 512 * 1024;
+constexpr int64_t kMediumTransposedK = 512;
+
+// Note [Medium products]
+// Row blocks of 64 through one generated kernel also beat OpenBLAS on products of
+// moderate width, not only thin ones, as long as B (K x N) stays in the L2 cache that
+// every block re-reads it from: OpenBLAS packs both operands and scales C first, and at
+// these sizes that costs more than the kernel saves. Measured on one Skylake-SP core
+// (bench/higher_order.md, "LIBXSMM for medium products"), GFLOP/s ATen vs LIBXSMM:
+// float [512,256]x[256,256] 142 vs 176, [512,256]x[256,10] 47 vs 92, A^T [256,512]^T x
+// [512,256] 142 vs 167; double [512,256]x[256,256] 62 vs 86. Past the bounds LIBXSMM
+// loses: float A^T [2048,512]^T x [2048,512] (B 4 MiB) 135 vs 43, double
+// [2048,512]x[512,512] (B 2 MiB) 60 vs 31, double A^T with K = 1024 46 vs 42; under 128
+// rows neither wins.
 
 STAGEJIT_FUNC bool enabled_by_environment() {
   static const bool on = [] {
@@ -91,6 +108,11 @@ struct Kernels<double> {
   }
 };
 
+// True for a product in row blocks that Note [Medium products] admits.
+STAGEJIT_FUNC bool medium_product(int64_t M, int64_t K, int64_t N, bool a_transposed, int64_t element_size) {
+  return M >= kMediumRows && K * N * element_size <= kMediumBytes && (!a_transposed || K <= kMediumTransposedK);
+}
+
 // True when LIBXSMM's blocking applies to `a @ b` (both 2-D, rows or columns dense).
 STAGEJIT_FUNC bool thin_product(const at::Tensor& a, const at::Tensor& b) {
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
@@ -99,19 +121,20 @@ STAGEJIT_FUNC bool thin_product(const at::Tensor& a, const at::Tensor& b) {
   const Operand A = as_column_major_transpose(a), B = as_column_major_transpose(b);
   // LIBXSMM takes int sizes and leading dimensions.
   const int64_t limit = INT32_MAX;
-  return (tall || reduction) && A.ok && B.ok && A.ld <= limit && B.ld <= limit && M <= limit &&
-         K <= limit && N <= limit;
+  return (tall || reduction || medium_product(M, K, N, A.trans, a.element_size())) && A.ok && B.ok &&
+         A.ld <= limit && B.ld <= limit && M <= limit && K <= limit && N <= limit;
 }
 
 // c = a @ b (c += a @ b when `accumulate`) on raw pointers: see `small_mm_raw`.
+// `medium`: also row blocks for any K and N (the caller checked `medium_product`).
 template <class T>
 bool run_raw(const T* pa, int64_t a_s0, int64_t a_s1, const T* pb, int64_t b_s0, int64_t b_s1, T* pc,
-             int64_t ldc, int64_t M, int64_t K, int64_t N, bool accumulate) {
+             int64_t ldc, int64_t M, int64_t K, int64_t N, bool accumulate, bool medium = false) {
   if (M <= 0 || K <= 0 || N <= 0) return false;
   const Operand A = operand_of(M, K, a_s0, a_s1), B = operand_of(K, N, b_s0, b_s1);
   // LIBXSMM 1.17 generates no kernel reading its first operand (b) transposed.
   if (!A.ok || !B.ok || B.trans) return false;
-  const bool tall = K <= kSmall && N <= kSmall;
+  const bool tall = medium || (K <= kSmall && N <= kSmall);
   if (!tall && !(M <= kSmall && N <= kSmall)) return false;
   const int64_t limit = INT32_MAX;  // LIBXSMM takes int sizes and leading dimensions
   if (A.ld > limit || B.ld > limit || ldc > limit || M > limit || K > limit || N < 1 || ldc < N) return false;
@@ -162,12 +185,15 @@ template <class T>
 STAGEJIT_FUNC std::optional<at::Tensor> run(const at::Tensor& a, const at::Tensor& b_in) {
   const int64_t M = a.size(0), N = b_in.size(1);
   // A `b` with dense columns (W^T of a backward) is copied dense (at most 64 x 64 in a
-  // tall product; the copy of a reduction's [K, N] costs one pass, far less than the
-  // product).
+  // tall product, 512 KiB in a medium one; the copy of a reduction's [K, N] costs one
+  // pass, far less than the product).
   at::Tensor b = as_column_major_transpose(b_in).trans ? b_in.contiguous() : b_in;
   at::Tensor c = at::empty({M, N}, a.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t K = a.size(1);
+  const bool thin = (K <= kSmall && N <= kSmall) || (M <= kSmall && N <= kSmall);
+  const bool medium = !thin && medium_product(M, K, N, as_column_major_transpose(a).trans, a.element_size());
   if (!run_raw<T>(a.data_ptr<T>(), a.stride(0), a.stride(1), b.data_ptr<T>(), b.stride(0), b.stride(1),
-                  c.data_ptr<T>(), N, M, a.size(1), N, false))
+                  c.data_ptr<T>(), N, M, K, N, false, medium))
     return std::nullopt;
   return c;
 }

@@ -8,7 +8,9 @@
 /// collocation points) are [M, K] x [K, N] with M large and K, N tiny, or [K, M]^T x
 /// [M, N] reductions over the points. OpenBLAS runs them at 8-17 GFLOP/s on one core
 /// (packing and scaling the output dominate); LIBXSMM's generated kernels for a block of
-/// 64 rows (or 256 reduced rows) run them 3-4x faster (bench/pinn.md). Every `mm` and
+/// 64 rows (or 256 reduced rows) run them 3-4x faster (bench/pinn.md). Layers of 128-256
+/// units on a few hundred to a few thousand rows gain 15-40 % the same way
+/// (bench/higher_order.md). Every `mm` and
 /// `addmm` of the op table, eager and compiled, goes through `small_mm` first.
 
 #include <ATen/ATen.h>
@@ -18,10 +20,13 @@
 
 namespace stagejit::ops {
 
-/// `a @ b` through LIBXSMM when the shape is thin: 2-D float or double CPU tensors of one
-/// dtype, no autograd, and either M >= 256 with K, N <= 64 ("tall": blocks of 64 rows of
-/// `a`) or K >= 256 with M, N <= 64 ("reduction": blocks of 256 along K, accumulated), with
-/// each operand's rows or columns dense (the other stride is the leading dimension).
+/// `a @ b` through LIBXSMM when the shape is thin or medium: 2-D float or double CPU
+/// tensors of one dtype, no autograd, and either M >= 256 with K, N <= 64 ("tall": blocks
+/// of 64 rows of `a`), K >= 256 with M, N <= 64 ("reduction": blocks of 256 along K,
+/// accumulated), or M >= 128 with `b` at most 512 KiB and, when `a` is a transposed view,
+/// K <= 512 ("medium": blocks of 64 rows, as tall; the bounds keep `b` in the L2 cache,
+/// Note [Medium products] in ops/small_gemm-inl.hpp), with each operand's rows or columns
+/// dense (the other stride is the leading dimension).
 /// Returns a contiguous [M, N] tensor equal to `at::mm(a, b)` up to summation order, or
 /// nullopt (the caller runs `at::mm`) when the shape does not qualify, LIBXSMM is not
 /// built in (`STAGEJIT_HAVE_LIBXSMM`), it cannot generate a kernel, or
