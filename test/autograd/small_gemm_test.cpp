@@ -60,8 +60,9 @@ TEST_CASE("small_mm equals ATen's mm for thin and medium products in every dense
       auto p = sj::ops::small_mm(h.t(), g);
       REQUIRE(p.has_value());
       CHECK(rel_diff(*p, at::mm(h.t(), g)) <= tol);
+      // A `g` with dense columns would be copied whole first: left to ATen.
       at::Tensor gt = at::randn({7, K}, dtype).t();
-      CHECK(rel_diff(*sj::ops::small_mm(h.t(), gt), at::mm(h.t(), gt)) <= tol);
+      CHECK_FALSE(sj::ops::small_mm(h.t(), gt).has_value());
     }
     // Medium (Note [Medium products]): layers of 128-256 units on 128 to 2 000 rows, with
     // a row count that is not a multiple of the 64-row block; B read transposed (W^T,
