@@ -193,7 +193,7 @@ class Workload {
     if (m == Mode::WholeLoss) {
       variable_list in = w;
       in.insert(in.end(), d.begin(), d.end());
-      last_loss_inputs_ = in;
+      last_loss_inputs_ = spec_of(in);
       loss = loss_(in)[0];
     } else {
       const bool staged = m == Mode::Staged;
@@ -201,7 +201,7 @@ class Workload {
         if (!staged) return mlp<Variable>(x, p, act_);
         variable_list in{x};
         in.insert(in.end(), p.begin(), p.end());
-        last_net_inputs_ = in;
+        last_net_inputs_ = spec_of(in);
         return net_(in)[0];
       };
       loss = loss_sj(net, w, d);
@@ -214,8 +214,9 @@ class Workload {
   /// The staged mode's compiled network and the whole-loss mode's compiled loss.
   CompiledFunction& compiled_net() { return net_; }
   CompiledFunction& compiled_loss() { return loss_; }
-  /// The inputs of the last staged step's last call of the compiled net, and of the last
-  /// whole-loss step's compiled loss (empty before such a step): `graph_for` takes them.
+  /// Leaves with the data and requires_grad of the inputs of the last staged step's last
+  /// call of the compiled net, and of the last whole-loss step's compiled loss (empty
+  /// before such a step), holding no step's graph: `graph_for` takes them.
   const variable_list& last_net_inputs() const { return last_net_inputs_; }
   const variable_list& last_loss_inputs() const { return last_loss_inputs_; }
 
@@ -277,6 +278,11 @@ class Workload {
   virtual bool loss_is_grad_sum() const { return false; }
 
  private:
+  static variable_list spec_of(const variable_list& in) {
+    variable_list r;
+    for (const auto& v : in) r.emplace_back(v.data(), v.requires_grad());
+    return r;
+  }
   Result finish(const at::Tensor& loss, std::vector<at::Tensor> grads) const {
     Result r{0, std::move(grads)};
     if (loss_is_grad_sum())
