@@ -36,6 +36,7 @@ const Shape kShapes[] = {
     {512, 64, 256, "hvp input layer"},        {512, 256, 256, "hvp layer"},
     {256, 512, 256, "hvp weight grad"},       {512, 256, 10, "hvp output layer"},
     {256, 512, 10, "hvp output weight grad"}, {100, 20, 20, "under 128 rows"},
+    {32, 256, 10, "cnn classifier (reduction)"},
 };
 
 }  // namespace

@@ -43,6 +43,8 @@ constexpr int64_t kReduceBlock = 256;  // columns of A per kernel call (reductio
 constexpr int64_t kMediumRows = 128;
 constexpr int64_t kMediumBytes = 512 * 1024;
 constexpr int64_t kMediumTransposedK = 512;
+// A reduction's B read transposed is copied dense when it is at most this large.
+constexpr int64_t kReductionCopyBytes = 32 * 1024;
 
 // Note [Medium products]
 // Row blocks of 64 through one generated kernel also beat OpenBLAS on products of
@@ -118,9 +120,11 @@ STAGEJIT_FUNC bool thin_product(const at::Tensor& a, const at::Tensor& b) {
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   const bool tall = M >= kLarge && K <= kSmall && N <= kSmall;
   const Operand A = as_column_major_transpose(a), B = as_column_major_transpose(b);
-  // A reduction's B with dense columns would be copied whole ([K, N], K long) first: that
-  // runs at 0.7x ATen (bench/products, "burgers weight grad" NT); ATen takes it.
-  const bool reduction = !tall && K >= kLarge && M <= kSmall && N <= kSmall && !B.trans;
+  // A reduction's B with dense columns is copied whole ([K, N], K long) first: past the
+  // L1 cache that runs at 0.7x ATen (bench/products, "burgers weight grad" NT) and ATen
+  // takes it; a small one (a classifier's W^T, "cnn classifier") costs next to nothing.
+  const bool reduction = !tall && K >= kLarge && M <= kSmall && N <= kSmall &&
+                         (!B.trans || K * N * a.element_size() <= kReductionCopyBytes);
   // LIBXSMM takes int sizes and leading dimensions.
   const int64_t limit = INT32_MAX;
   return (tall || reduction || medium_product(M, K, N, A.trans, a.element_size())) && A.ok && B.ok &&
