@@ -94,7 +94,24 @@ TEST_CASE("small_mm equals ATen's mm for thin and medium products in every dense
         CHECK(rel_diff(*sj::ops::small_mm(at_, w), at::mm(at_, w)) <= tol);
       }
     }
-    // Past the medium bounds: B over 512 KiB, A transposed with K over 512, under 128 rows.
+    // B over 512 KiB with A's rows at most 2 KiB: passes over column blocks (256 float
+    // columns at K = 512, so N = 600 leaves a tail block of 88; rows not a multiple of 64),
+    // A by rows and W^T copied dense; not with A transposed.
+    if (dtype == at::kFloat) {
+      for (int64_t N : {512, 600}) {
+        CAPTURE(N);
+        at::Tensor a = at::randn({1000, 512}, dtype), w = at::randn({512, N}, dtype);
+        auto p = sj::ops::small_mm(a, w);
+        REQUIRE(p.has_value());
+        CHECK(rel_diff(*p, at::mm(a, w)) <= tol);
+        at::Tensor wt = at::randn({N, 512}, dtype).t();
+        REQUIRE(sj::ops::small_mm(a, wt).has_value());
+        CHECK(rel_diff(*sj::ops::small_mm(a, wt), at::mm(a, wt)) <= tol);
+        CHECK_FALSE(sj::ops::small_mm(at::randn({512, 1000}, dtype).t(), w).has_value());
+      }
+    }
+    // Past the medium bounds: B over 512 KiB with rows of A over 2 KiB, A transposed with K
+    // over 512, under 128 rows.
     const int64_t wide = dtype == at::kFloat ? 512 : 256;
     CHECK_FALSE(sj::ops::small_mm(at::randn({1000, 2 * wide}, dtype), at::randn({2 * wide, wide}, dtype)).has_value());
     CHECK_FALSE(sj::ops::small_mm(at::randn({1024, 256}, dtype).t(), at::randn({1024, 64}, dtype)).has_value());
@@ -103,7 +120,7 @@ TEST_CASE("small_mm equals ATen's mm for thin and medium products in every dense
   // Refused: small or square shapes, broadcast (stride-0) operands, other dtypes, mixed
   // dtypes, operands that require grad, non-2-D operands.
   CHECK_FALSE(sj::ops::small_mm(at::randn({100, 20}), at::randn({20, 20})).has_value());
-  CHECK_FALSE(sj::ops::small_mm(at::randn({512, 512}), at::randn({512, 512})).has_value());
+  CHECK_FALSE(sj::ops::small_mm(at::randn({512, 512}, at::kDouble), at::randn({512, 512}, at::kDouble)).has_value());
   CHECK_FALSE(sj::ops::small_mm(at::randn({20}).expand({1000, 20}), at::randn({20, 20})).has_value());
   CHECK_FALSE(sj::ops::small_mm(at::randn({1000, 20}).to(at::kHalf), at::randn({20, 20}).to(at::kHalf)).has_value());
   CHECK_FALSE(sj::ops::small_mm(at::randn({1000, 20}), at::randn({20, 20}, at::kDouble)).has_value());

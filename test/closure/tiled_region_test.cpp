@@ -290,8 +290,12 @@ TEST_CASE("row-tiled regions: tall stages get regions, short ones and tile_rows 
   CHECK(count_regions(*plain) == 0);
   for (const auto& st : plain->stages) plain_functions += st.functions.size();
   CHECK(tiled_functions < plain_functions);
-  // Fewer rows than kMinTiledRows: no region.
-  CHECK(count_regions(*closure_of(1000, 256)) == 0);
+  // Fewer rows than kMinTiledRows (and than two tiles): no region.
+  CHECK(count_regions(*closure_of(sj::closure::kMinTiledRows - 1, 128)) == 0);
+  CHECK(count_regions(*closure_of(300, 256)) == 0);
+  // From kMinTiledRows rows on with tiles of 128 (a few hundred points: regions pay there
+  // too, bench/higher_order.md "Regions from 256 rows").
+  CHECK(count_regions(*closure_of(300, 128)) > 0);
   // The region names what it runs.
   for (const auto& fn : tiled->stages[0].functions)
     if (fn->name() == "FusedKernel(tiled_region)") CHECK(fn->origin.find("row-tiled region 0 of stage 0") != std::string::npos);

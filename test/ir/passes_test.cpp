@@ -330,5 +330,32 @@ TEST_SUITE("ir") {
                     "  %a : Float(3) = mul(%g, %1);\n") != std::string::npos);
     CHECK(text.find("%w : Float(3) = mul(%gg, %q);") != std::string::npos);
     CHECK(text.find("return (%q | %z | %v);") != std::string::npos);
+    // A value whose op holds a logarithm, erf or expm1 (softplus, log, erf, gelu, elu)
+    // costs more to recompute than to read back: it stays saved, while the tanh beside it
+    // is recomputed from %x, which stage 1 reads anyway.
+    const std::string costly_in = R"(graph(%x : Float(2),
+      -------- stage 1 --------
+      %g : Float(2)) {
+  %s : Float(2) = softplus[beta=1.0, threshold=20.0](%x);
+  %l : Float(2) = log(%x);
+  %u : Float(2) = elu(%x);
+  %h : Float(2) = tanh(%x);
+  ---------------- stage 1 ----------------
+  %a : Float(2) = mul(%g, %s);
+  %b : Float(2) = mul(%a, %l);
+  %c : Float(2) = mul(%b, %u);
+  %d : Float(2) = mul(%c, %h);
+  %e : Float(2) = mul(%d, %x);
+  return (%s | %e);
+})";
+    auto costly = ir::parse(costly_in);
+    CHECK(passes::rematerialize_cross_stage(*costly, 1) == 1);
+    ir::lint(*costly);
+    const std::string costly_text = ir::to_string(*costly);
+    CHECK(costly_text.find("  ---------------- stage 1 ----------------\n"
+                           "  %0 : Float(2) = tanh(%x);\n") != std::string::npos);
+    CHECK(costly_text.find("%a : Float(2) = mul(%g, %s);") != std::string::npos);
+    CHECK(costly_text.find("%b : Float(2) = mul(%a, %l);") != std::string::npos);
+    CHECK(costly_text.find("%c : Float(2) = mul(%b, %u);") != std::string::npos);
   }
 }

@@ -44,13 +44,16 @@
 namespace stagejit::closure {
 
 /// Stages whose row values have fewer rows than `max(2 * tile_rows, kMinTiledRows)` are
-/// not tiled. Regions would pay below it too (Poisson 2-64x3-1 tanh, float, staged: 1.02x
-/// libtorch at 2 047 rows, 1.43x at 2 048; with this at 256, 1.56x at 1 000 rows), but
-/// they also switch the staged mode's cross-stage gradients off (Note [Choosing
-/// cross-stage gradients]), which cost the softplus force-matching step at 2 000 rows
-/// 1.62x -> 1.05x: lowering it waits for that choice to be made per workload
-/// (bench/higher_order.md, "Fewer rows").
-inline constexpr int64_t kMinTiledRows = 2048;
+/// not tiled: a region of one tile only adds its bookkeeping. It was 2 048 while regions
+/// switched the staged mode's cross-stage gradients off at the cost of the softplus
+/// force field (its stage variants recomputed softplus op by op through ATen); with
+/// `passes::rematerialize_cross_stage` leaving such ops saved, 256 measured (float, one
+/// engine thread, staged / whole-loss against libtorch): a Poisson PINN 2-32x3-1 tanh at
+/// 500 rows 0.81-0.86x / 1.27-1.32x -> 1.40-1.46x / 2.05-2.14x, at 1 000 rows 1.30-1.33x /
+/// 1.90-1.92x -> 1.78-1.96x / 2.64-2.84x; bench maml 1.19x -> 1.43x, forces_silu 1.43x ->
+/// 1.86-1.96x, forces_softplus 1.44-1.48x both (bench/higher_order.md, "Regions from 256
+/// rows").
+inline constexpr int64_t kMinTiledRows = 256;
 
 /// The function graph of one stage. See the file comment.
 struct StageClosure {

@@ -43,6 +43,11 @@ constexpr int64_t kReduceBlock = 256;  // columns of A per kernel call (reductio
 constexpr int64_t kMediumRows = 128;
 constexpr int64_t kMediumBytes = 512 * 1024;
 constexpr int64_t kMediumTransposedK = 512;
+// A medium product whose B is larger runs in passes over column blocks of at least
+// kMediumMinColumns columns, each block's slice of B at most kMediumBytes, when A is read
+// by rows of at most kMediumBlockedRowBytes.
+constexpr int64_t kMediumMinColumns = 128;
+constexpr int64_t kMediumBlockedRowBytes = 2048;
 // A reduction's B read transposed is copied dense when it is at most this large.
 constexpr int64_t kReductionCopyBytes = 32 * 1024;
 
@@ -57,6 +62,12 @@ constexpr int64_t kReductionCopyBytes = 32 * 1024;
 // loses: float A^T [2048,512]^T x [2048,512] (B 4 MiB) 135 vs 43, double
 // [2048,512]x[512,512] (B 2 MiB) 60 vs 31, double A^T with K = 1024 46 vs 42; under 128
 // rows neither wins.
+// A larger B runs in passes over column blocks whose slice of B fits the bound (B's
+// block starts at its column j0 with B's leading dimension; C's too), each pass over
+// all row blocks: float [2000,512]x[512,512] (B 1 MiB, blocks of 256 columns) 131-140
+// vs 156-162, with W^T copied dense 133-143 vs 150-160 (bench/products, "critic512
+// layer"). Not for a transposed A (float 142 vs 143) nor for rows of A over 2 KiB
+// (double K = 512: 58 vs 25-32, whatever the block).
 
 STAGEJIT_FUNC bool enabled_by_environment() {
   static const bool on = [] {
@@ -110,9 +121,20 @@ struct Kernels<double> {
   }
 };
 
+// Columns of C (and B) per pass of a medium product: all N when B fits kMediumBytes;
+// else, for an A read by rows with rows of at most kMediumBlockedRowBytes, the widest
+// multiple of 16 whose slice of B does (Note [Medium products]); else 0.
+STAGEJIT_FUNC int64_t medium_columns(int64_t K, int64_t N, bool a_transposed, int64_t element_size) {
+  if (K * N * element_size <= kMediumBytes) return N;
+  if (a_transposed || K * element_size > kMediumBlockedRowBytes) return 0;
+  const int64_t columns = kMediumBytes / (K * element_size) / 16 * 16;
+  return columns >= kMediumMinColumns ? columns : 0;
+}
+
 // True for a product in row blocks that Note [Medium products] admits.
 STAGEJIT_FUNC bool medium_product(int64_t M, int64_t K, int64_t N, bool a_transposed, int64_t element_size) {
-  return M >= kMediumRows && K * N * element_size <= kMediumBytes && (!a_transposed || K <= kMediumTransposedK);
+  return M >= kMediumRows && medium_columns(K, N, a_transposed, element_size) > 0 &&
+         (!a_transposed || K <= kMediumTransposedK);
 }
 
 // True when LIBXSMM's blocking applies to `a @ b` (both 2-D, rows or columns dense).
@@ -149,22 +171,36 @@ bool run_raw(const T* pa, int64_t a_s0, int64_t a_s1, const T* pb, int64_t b_s0,
   const int lda = static_cast<int>(B.ld), ldb = static_cast<int>(A.ld);
   const T beta0 = accumulate ? T(1) : T(0);
   if (tall) {
-    // Block of rows m0..m0+rows of A: b' starts at row m0 of A.
+    // Block of rows m0..m0+rows of A: b' starts at row m0 of A. A medium product whose B
+    // leaves the L2 cache runs in passes over column blocks j0..j0+columns of B and C
+    // (b' keeps its rows, a' and C start at column j0), each pass over every row block.
+    const int64_t columns = medium ? medium_columns(K, N, A.trans, sizeof(T)) : N;
+    if (columns <= 0) return false;
     const int64_t a_row_step = A.trans ? 1 : A.ld;
-    const int64_t rest = M % kRowBlock;
-    const auto full = M >= kRowBlock ? Kernels<T>::get(n, static_cast<int>(kRowBlock), static_cast<int>(K), lda, ldb, ldci, beta0, flags)
-                                     : nullptr;
-    const auto tail = rest ? Kernels<T>::get(n, static_cast<int>(rest), static_cast<int>(K), lda, ldb, ldci, beta0, flags)
-                           : full;
-    if ((M >= kRowBlock && !full) || !tail) return false;
+    const int64_t rest = M % kRowBlock, column_rest = N % columns;
+    using Fn = typename Kernels<T>::Fn;
+    auto kernel = [&](int64_t cols, int64_t rows) -> Fn {
+      return Kernels<T>::get(static_cast<int>(cols), static_cast<int>(rows), static_cast<int>(K), lda, ldb, ldci,
+                             beta0, flags);
+    };
+    // [column block: full, tail][row block: full, tail]
+    Fn fns[2][2] = {{nullptr, nullptr}, {nullptr, nullptr}};
+    for (int c = 0; c < 2; ++c) {
+      const int64_t cols = c == 0 ? columns : column_rest;
+      if (cols == 0 || (c == 0 && N < columns)) continue;
+      if (M >= kRowBlock && !(fns[c][0] = kernel(cols, kRowBlock))) return false;
+      if (rest && !(fns[c][1] = kernel(cols, rest))) return false;
+    }
     const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
-    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t blk = begin; blk < end; ++blk) {
-        const int64_t m0 = blk * kRowBlock;
-        const auto fn = (m0 + kRowBlock <= M) ? full : tail;
-        fn(pb, pa + m0 * a_row_step, pc + m0 * ldc);
-      }
-    });
+    for (int64_t j0 = 0; j0 < N; j0 += columns) {
+      const int c = j0 + columns <= N ? 0 : 1;
+      at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t blk = begin; blk < end; ++blk) {
+          const int64_t m0 = blk * kRowBlock;
+          fns[c][m0 + kRowBlock <= M ? 0 : 1](pb + j0, pa + m0 * a_row_step, pc + m0 * ldc + j0);
+        }
+      });
+    }
     return true;
   }
   // Reduction over K: a' (from B) advances along k by its rows, b' (from A) along its

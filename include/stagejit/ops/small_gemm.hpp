@@ -25,7 +25,9 @@ namespace stagejit::ops {
 /// of 64 rows of `a`), K >= 256 with M, N <= 64 and `b`'s rows dense ("reduction":
 /// blocks of 256 along K, accumulated), or M >= 128 with `b` at most 512 KiB and, when `a`
 /// is a transposed view, K <= 512 ("medium": blocks of 64 rows, as tall; the bounds keep
-/// `b` in the L2 cache, Note [Medium products] in ops/small_gemm-inl.hpp), with each
+/// `b` in the L2 cache, Note [Medium products] in ops/small_gemm-inl.hpp; a larger `b`
+/// runs in passes over blocks of at least 128 of its columns when `a`'s rows are dense
+/// and at most 2 KiB long), with each
 /// operand's rows or columns dense (the other stride is the leading dimension).
 /// Returns a contiguous [M, N] tensor equal to `at::mm(a, b)` up to summation order, or
 /// nullopt (the caller runs `at::mm`) when the shape does not qualify, LIBXSMM is not

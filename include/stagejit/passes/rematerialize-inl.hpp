@@ -19,9 +19,31 @@ namespace stagejit::passes {
 
 namespace detail {
 
+// Elementwise ops whose recomputation costs more than reading the saved value back: a
+// logarithm, erf or expm1 inside (SLEEF's u10 log1p, erf and expm1 run several times
+// the cost of its exp). Where such a copy lands outside a kernel it runs op by op
+// through ATen: softplus, recomputed in the force field's stage variants, took its
+// staged step from 1.48x to 1.28x libtorch (bench/higher_order.md, "Regions from 256
+// rows"). exp, tanh (the prelude's), sigmoid and silu stay cheap.
+inline bool costly_to_recompute(OpId id) {
+  switch (id) {
+    case OpId::softplus:
+    case OpId::log:
+    case OpId::erf:
+    case OpId::gelu:
+    case OpId::elu:
+    case OpId::logsumexp:
+    case OpId::binary_cross_entropy_with_logits:
+      return true;
+    default:
+      return false;
+  }
+}
+
 inline bool rematerializable(const ir::Node& n, int64_t min_elements) {
   const auto* op = n.get_if<ir::Op>();
   if (!op || n.outputs().size() != 1 || n.has_side_effects() || !op->schema().elementwise) return false;
+  if (costly_to_recompute(op->id())) return false;
   const ir::TensorType* t = n.output(0)->tensor_type();
   if (n.output(0)->is_handle() || !t) return false;
   int64_t numel = 1;

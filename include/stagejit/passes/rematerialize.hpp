@@ -11,7 +11,9 @@
 /// copy of a value both stages compute (passes/cse.hpp). So, for each stage t >= 1, in
 /// node order, each value v of an earlier stage that a node of stage t reads is
 /// recomputed in stage t when v's node is *cheap*: an Op whose schema is elementwise,
-/// without side effects (nothing random or in place), with one output of at least
+/// with no logarithm, erf or expm1 inside (softplus, log, erf, gelu, elu: their
+/// recomputation costs more than the read it saves), without side effects (nothing
+/// random or in place), with one output of at least
 /// `min_elements` elements, no Handle input or output; and each of its inputs is
 /// - a value stage t reads anyway (an earlier value or graph input with a stage-t use),
 ///   or one recomputed in stage t before,
