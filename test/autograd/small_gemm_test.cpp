@@ -110,7 +110,7 @@ TEST_CASE("small_mm equals ATen's mm for thin and medium products in every dense
         CHECK_FALSE(sj::ops::small_mm(at::randn({512, 1000}, dtype).t(), w).has_value());
       }
     }
-    // Past the medium bounds: B over 512 KiB with rows of A over 2 KiB, A transposed with K
+    // Past the medium bounds: rows of A over 2 KiB, A transposed with K
     // over 512, under 128 rows.
     const int64_t wide = dtype == at::kFloat ? 512 : 256;
     CHECK_FALSE(sj::ops::small_mm(at::randn({1000, 2 * wide}, dtype), at::randn({2 * wide, wide}, dtype)).has_value());

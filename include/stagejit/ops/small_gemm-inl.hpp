@@ -43,11 +43,9 @@ constexpr int64_t kReduceBlock = 256;  // columns of A per kernel call (reductio
 constexpr int64_t kMediumRows = 128;
 constexpr int64_t kMediumBytes = 512 * 1024;
 constexpr int64_t kMediumTransposedK = 512;
-// A medium product whose B is larger runs in passes over column blocks of at least
-// kMediumMinColumns columns, each block's slice of B at most kMediumBytes, when A is read
-// by rows of at most kMediumBlockedRowBytes.
-constexpr int64_t kMediumMinColumns = 128;
-constexpr int64_t kMediumBlockedRowBytes = 2048;
+// ... and, when A is read by rows, rows of A of at most kMediumRowBytes; a larger B then
+// runs in passes over column blocks, each block's slice of B at most kMediumBytes.
+constexpr int64_t kMediumRowBytes = 2048;
 // A reduction's B read transposed is copied dense when it is at most this large.
 constexpr int64_t kReductionCopyBytes = 32 * 1024;
 
@@ -67,7 +65,7 @@ constexpr int64_t kReductionCopyBytes = 32 * 1024;
 // all row blocks: float [2000,512]x[512,512] (B 1 MiB, blocks of 256 columns) 131-140
 // vs 156-162, with W^T copied dense 133-143 vs 150-160 (bench/products, "critic512
 // layer"). Not for a transposed A (float 142 vs 143) nor for rows of A over 2 KiB
-// (double K = 512: 58 vs 25-32, whatever the block).
+// (double K = 512: 58 vs 25-32, whatever the block), which no medium product takes.
 
 STAGEJIT_FUNC bool enabled_by_environment() {
   static const bool on = [] {
@@ -121,20 +119,19 @@ struct Kernels<double> {
   }
 };
 
-// Columns of C (and B) per pass of a medium product: all N when B fits kMediumBytes;
-// else, for an A read by rows with rows of at most kMediumBlockedRowBytes, the widest
-// multiple of 16 whose slice of B does (Note [Medium products]); else 0.
+// Columns of C (and B) per pass of a medium product (Note [Medium products]), 0 when it
+// is not one: all N when B fits kMediumBytes, else the widest multiple of 16 whose slice
+// of B does (at least 256, as rows of A are at most kMediumRowBytes long).
 STAGEJIT_FUNC int64_t medium_columns(int64_t K, int64_t N, bool a_transposed, int64_t element_size) {
+  if (a_transposed) return K <= kMediumTransposedK && K * N * element_size <= kMediumBytes ? N : 0;
+  if (K * element_size > kMediumRowBytes) return 0;
   if (K * N * element_size <= kMediumBytes) return N;
-  if (a_transposed || K * element_size > kMediumBlockedRowBytes) return 0;
-  const int64_t columns = kMediumBytes / (K * element_size) / 16 * 16;
-  return columns >= kMediumMinColumns ? columns : 0;
+  return kMediumBytes / (K * element_size) / 16 * 16;
 }
 
 // True for a product in row blocks that Note [Medium products] admits.
 STAGEJIT_FUNC bool medium_product(int64_t M, int64_t K, int64_t N, bool a_transposed, int64_t element_size) {
-  return M >= kMediumRows && medium_columns(K, N, a_transposed, element_size) > 0 &&
-         (!a_transposed || K <= kMediumTransposedK);
+  return M >= kMediumRows && medium_columns(K, N, a_transposed, element_size) > 0;
 }
 
 // True when LIBXSMM's blocking applies to `a @ b` (both 2-D, rows or columns dense).
@@ -227,7 +224,7 @@ template <class T>
 STAGEJIT_FUNC std::optional<at::Tensor> run(const at::Tensor& a, const at::Tensor& b_in) {
   const int64_t M = a.size(0), N = b_in.size(1);
   // A `b` with dense columns (W^T of a backward) is copied dense (at most 64 x 64 in a
-  // tall product, 512 KiB in a medium one; `thin_product` leaves such a reduction to ATen).
+  // tall product, 32 KiB in a reduction, and K x N in a medium one, K at most 2 KiB).
   at::Tensor b = as_column_major_transpose(b_in).trans ? b_in.contiguous() : b_in;
   at::Tensor c = at::empty({M, N}, a.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t K = a.size(1);

@@ -23,11 +23,11 @@ namespace stagejit::ops {
 /// `a @ b` through LIBXSMM when the shape is thin or medium: 2-D float or double CPU
 /// tensors of one dtype, no autograd, and either M >= 256 with K, N <= 64 ("tall": blocks
 /// of 64 rows of `a`), K >= 256 with M, N <= 64 and `b`'s rows dense ("reduction":
-/// blocks of 256 along K, accumulated), or M >= 128 with `b` at most 512 KiB and, when `a`
-/// is a transposed view, K <= 512 ("medium": blocks of 64 rows, as tall; the bounds keep
-/// `b` in the L2 cache, Note [Medium products] in ops/small_gemm-inl.hpp; a larger `b`
-/// runs in passes over blocks of at least 128 of its columns when `a`'s rows are dense
-/// and at most 2 KiB long), with each
+/// blocks of 256 along K, accumulated), or M >= 128 with either `a`'s rows dense and at
+/// most 2 KiB long, or `a` a transposed view with K <= 512 and `b` at most 512 KiB
+/// ("medium": blocks of 64 rows, as tall; a `b` over 512 KiB runs in passes over blocks
+/// of its columns that fit, so that each stays in the L2 cache: Note [Medium products]
+/// in ops/small_gemm-inl.hpp), with each
 /// operand's rows or columns dense (the other stride is the leading dimension).
 /// Returns a contiguous [M, N] tensor equal to `at::mm(a, b)` up to summation order, or
 /// nullopt (the caller runs `at::mm`) when the shape does not qualify, LIBXSMM is not

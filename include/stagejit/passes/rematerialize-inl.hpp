@@ -32,8 +32,6 @@ inline bool costly_to_recompute(OpId id) {
     case OpId::erf:
     case OpId::gelu:
     case OpId::elu:
-    case OpId::logsumexp:
-    case OpId::binary_cross_entropy_with_logits:
       return true;
     default:
       return false;
