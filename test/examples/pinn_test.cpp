@@ -205,9 +205,10 @@ TEST_SUITE("pinn") {
       const std::vector<torch::Tensor> tw_f(tw.begin(), tw.end() - 1);
       const auto tgx = torch::autograd::grad({grad_sum(tuf, tx).narrow(1, 1, 1).sum()}, tw_f);
       // The same in double, the oracle for float's rounding: these gradients are sums over
-      // the 500 points with cancellation (a bias's is 1e-5 relative from libtorch's float
-      // in float whatever the summation order), so a float gradient passes 1e-5 from
-      // libtorch's float, or no further from the double one than libtorch's float is.
+      // the 500 points with cancellation, so libtorch's float itself can be 1e-5 off (the
+      // bias gradient 15: libtorch's float 1.14e-5 from double, stagejit's 7.9e-7, 1.10e-5
+      // apart). A float gradient passes within 1e-5 of libtorch's float, or within 1e-5
+      // of libtorch in double.
       std::vector<torch::Tensor> tw64;
       for (const auto& t : p) tw64.push_back(t.detach().to(at::kDouble).requires_grad_(true));
       const torch::Tensor tx64 = data.x_f.detach().to(at::kDouble).requires_grad_(true);
@@ -223,7 +224,10 @@ TEST_SUITE("pinn") {
                      libtorch_own = rel_diff(tgx[i].to(at::kDouble), tgx64[i]);
         CAPTURE(own);
         CAPTURE(libtorch_own);
-        CHECK((d <= tol || (dtype == at::kFloat && own <= 2 * libtorch_own)));
+        if (d > tol)
+          MESSAGE("gradient " << i << ": " << d << " from libtorch's float; from libtorch in double: "
+                              << own << ", libtorch's float " << libtorch_own);
+        CHECK((d <= tol || (dtype == at::kFloat && own <= tol)));
       }
       CHECK(compiled.compiled_net().stats().misses == 2);
 
