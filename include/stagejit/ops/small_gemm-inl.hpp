@@ -184,7 +184,7 @@ bool run_raw(const T* pa, int64_t a_s0, int64_t a_s1, const T* pb, int64_t b_s0,
     Fn fns[2][2] = {{nullptr, nullptr}, {nullptr, nullptr}};
     for (int c = 0; c < 2; ++c) {
       const int64_t cols = c == 0 ? columns : column_rest;
-      if (cols == 0 || (c == 0 && N < columns)) continue;
+      if (cols == 0) continue;
       if (M >= kRowBlock && !(fns[c][0] = kernel(cols, kRowBlock))) return false;
       if (rest && !(fns[c][1] = kernel(cols, rest))) return false;
     }
