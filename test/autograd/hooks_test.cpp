@@ -116,7 +116,9 @@ TEST_SUITE("autograd") {
   }
 
   TEST_CASE("a compiled backward stage hands each gradient over before it returns") {
-    auto f = sj::compile(mlp, {.derivatives = 1});
+    // Untiled (tile_rows 0): a row-tiled region hands its outputs over together, when it
+    // ends; the order checked below is that of the stage's nodes run one by one.
+    auto f = sj::compile(mlp, {.derivatives = 1, .tile_rows = 0});
     VL in = mlp_inputs();
     sj::Variable loss = f(in)[0];
     auto* closure = std::get_if<sj::ClosureFunction>(&loss.grad_fn()->kind);

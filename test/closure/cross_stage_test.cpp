@@ -169,11 +169,15 @@ TEST_CASE("cross-stage gradients: pruned zero outputs keep the graph valid; off 
 }
 
 // Note [Choosing cross-stage gradients] (closure/compile-inl.hpp): unset, the option is
-// chosen per input spec: off where a backward stage runs row-tiled regions (tall inputs,
-// narrow layers), on elsewhere; set, it is what was asked. Results equal libtorch's either way.
+// chosen per input spec: off where a backward stage runs its products in row-tiled regions
+// (layers of at most 64 units, any number of rows from 2), on elsewhere (here: layers of 80
+// units, products the regions do not take); set, it is what was asked. Results equal
+// libtorch's either way.
 TEST_CASE("cross-stage gradients: chosen per spec when the option is unset") {
   at::manual_seed(13);
-  const auto small = mlp_data();
+  const std::vector<at::Tensor> wide = {at::randn({12, 2}, at::kDouble), at::randn({2, 80}, at::kDouble) * 0.7,
+                                        at::randn({80}, at::kDouble) * 0.1, at::randn({80, 80}, at::kDouble) * 0.1,
+                                        at::randn({80}, at::kDouble) * 0.1, at::randn({80, 1}, at::kDouble) * 0.1};
   auto tall = mlp_data();
   tall[0] = at::randn({4096, 2}, at::kDouble);
   auto as_in = [](const std::vector<at::Tensor>& d) {
@@ -182,7 +186,7 @@ TEST_CASE("cross-stage gradients: chosen per spec when the option is unset") {
     return in;
   };
   auto net = sj::compile(mlp, {.derivatives = 3});
-  CHECK(net.closure_for(as_in(small))->cross_stage);
+  CHECK(net.closure_for(as_in(wide))->cross_stage);
   CHECK(net.stats().cross_stage_traces == 1);
   if (sj::ops::small_mm_enabled()) {
     CHECK_FALSE(net.closure_for(as_in(tall))->cross_stage);  // row-tiled: re-differentiating is cheaper
@@ -192,15 +196,15 @@ TEST_CASE("cross-stage gradients: chosen per spec when the option is unset") {
   auto untiled = sj::compile(mlp, {.derivatives = 3, .tile_rows = 0});
   CHECK(untiled.closure_for(as_in(tall))->cross_stage);
   auto off = sj::compile(mlp, {.derivatives = 3, .cross_stage_gradients = false});
-  CHECK_FALSE(off.closure_for(as_in(small))->cross_stage);
+  CHECK_FALSE(off.closure_for(as_in(wide))->cross_stage);
   CHECK(off.stats().cross_stage_traces == 0);
   auto on = sj::compile(mlp, {.derivatives = 3, .cross_stage_gradients = true});
   CHECK(on.closure_for(as_in(tall))->cross_stage);
   // One derivative has no cross-stage gradients to hand on.
   auto first = sj::compile(mlp, {.derivatives = 1});
-  CHECK_FALSE(first.closure_for(as_in(small))->cross_stage);
+  CHECK_FALSE(first.closure_for(as_in(wide))->cross_stage);
   // Both choices give libtorch's step.
-  for (const std::vector<at::Tensor>* d : {&small, static_cast<const std::vector<at::Tensor>*>(&tall)}) {
+  for (const std::vector<at::Tensor>* d : {&wide, static_cast<const std::vector<at::Tensor>*>(&tall)}) {
     const Step want = torch_step(*d);
     const Step got = sj_step(net, *d);
     CHECK(std::abs(got.loss - want.loss) <= 1e-12 * std::abs(want.loss));

@@ -270,6 +270,95 @@ TEST_CASE("row-tiled regions: a 16-dimensional Laplacian (a fusion group of more
   CHECK(count_regions(*compiled.closure_for(in)) > 0);
 }
 
+TEST_CASE("row-tiled regions: stages shorter than one tile equal libtorch in double") {
+  if (!sj::ops::small_mm_enabled()) return;
+  for (int64_t rows : {1, 2, 3, 100}) {
+    CAPTURE(rows);
+    at::manual_seed(11);
+    auto data = mlp_data(at::kDouble);
+    data[0] = at::rand({rows, 2}, at::kDouble) * 2 - 1;
+    const Step want = torch_step(data);
+    auto net = sj::compile(mlp, {.derivatives = 3, .tile_rows = 128});
+    check_rounds(2, [&] { return sj_step(net, data); }, want, 1e-10);
+    auto loss = sj::compile(mlp_loss, {.derivatives = 1, .tile_rows = 128});
+    check_rounds(2, [&] { return sj_loss_step(loss, data); }, want, 1e-10);
+  }
+}
+
+// A softplus network u = W4 sp(W3 sp(W2 sp(W1 x + b1) + b2) + b3) + b4 (torch's [out, in]
+// weights, read through t()) and the Laplacian loss mean((u_xx + u_yy + 1)^2) + mean(u^2):
+// at 100 rows, under one tile of 128, a region reads a row broadcast with stride 0 (the
+// found case: its dense block took 128 rows of a 100-row tensor and threw).
+template <class V, class Grad>
+V softplus_laplacian_loss(const std::vector<V>& in, Grad grad_sum) {
+  V h = in[0];
+  for (std::size_t l = 1; l + 1 < in.size(); l += 2) {
+    h = matmul(h, t(in[l])) + in[l + 1];
+    if (l + 2 < in.size()) h = softplus(h);
+  }
+  const V g = grad_sum(h, in[0]);
+  const V uxx = narrow(grad_sum(narrow(g, 1, 0, 1), in[0]), 1, 0, 1);
+  const V uyy = narrow(grad_sum(narrow(g, 1, 1, 1), in[0]), 1, 1, 1);
+  const V r = uxx + uyy + 1.0;
+  return mean(r * r) + mean(h * h);
+}
+
+TEST_CASE("row-tiled regions: a softplus Laplacian loss under one tile equals libtorch in double") {
+  if (!sj::ops::small_mm_enabled()) return;
+  at::manual_seed(12);
+  const auto o = at::TensorOptions().dtype(at::kDouble);
+  std::vector<at::Tensor> data{at::rand({100, 2}, o)};
+  for (auto [out, in] : {std::pair<int64_t, int64_t>{50, 2}, {50, 50}, {50, 50}, {1, 50}}) {
+    data.push_back(at::randn({out, in}, o) / std::sqrt(double(in)));
+    data.push_back(at::randn({out}, o) * 0.1);
+  }
+  std::vector<torch::Tensor> tin;
+  for (const auto& x : data) tin.push_back(x.clone().requires_grad_(true));
+  const auto tloss = softplus_laplacian_loss<torch::Tensor>(tin, [](const torch::Tensor& y, const torch::Tensor& x) {
+    return torch::autograd::grad({y}, {x}, {torch::ones_like(y)}, true, true)[0];
+  });
+  const auto want = torch::autograd::grad({tloss}, std::vector<torch::Tensor>(tin.begin() + 1, tin.end()));
+  auto sj_grad_sum = [](const sj::Variable& y, const sj::Variable& x) {
+    return sj::grad({y}, {x}, {sj::ones_like(y)}, true)[0];
+  };
+  // Staged (the network compiled with three derivatives) and the whole loss compiled.
+  auto net = sj::compile([](const sj::variable_list& in) {
+    sj::Variable h = in[0];
+    for (std::size_t l = 1; l + 1 < in.size(); l += 2) {
+      h = matmul(h, t(in[l])) + in[l + 1];
+      if (l + 2 < in.size()) h = softplus(h);
+    }
+    return sj::variable_list{h};
+  }, {.derivatives = 3});
+  auto whole = sj::compile([&](const sj::variable_list& in) {
+    return sj::variable_list{softplus_laplacian_loss<sj::Variable>(in, sj_grad_sum)};
+  }, {.derivatives = 1});
+  for (int mode = 0; mode < 2; ++mode)
+    for (int round = 0; round < 2; ++round) {
+      CAPTURE(mode);
+      CAPTURE(round);
+      sj::variable_list in;
+      for (const auto& x : data) in.emplace_back(x, true);
+      sj::Variable loss;
+      if (mode == 1) {
+        loss = whole(in)[0];
+      } else {
+        // The staged form: the same loss with the compiled network as its u.
+        const sj::Variable u = net(in)[0];
+        const sj::Variable g = sj_grad_sum(u, in[0]);
+        const sj::Variable uxx = narrow(sj_grad_sum(narrow(g, 1, 0, 1), in[0]), 1, 0, 1);
+        const sj::Variable uyy = narrow(sj_grad_sum(narrow(g, 1, 1, 1), in[0]), 1, 1, 1);
+        const sj::Variable r = uxx + uyy + 1.0;
+        loss = mean(r * r) + mean(u * u);
+      }
+      const auto got = sj::grad({loss}, sj::variable_list(in.begin() + 1, in.end()));
+      CHECK(std::abs(loss.data().item<double>() - tloss.item<double>()) <= 1e-10 * (1 + std::abs(tloss.item<double>())));
+      for (std::size_t i = 0; i < got.size(); ++i)
+        CHECK(max_abs_diff(got[i].data(), want[i]) <= 1e-10 * (1 + want[i].abs().max().item<double>()));
+      CHECK(count_regions(*(mode == 1 ? whole : net).closure_for(in)) > 0);
+    }
+}
+
 TEST_CASE("row-tiled regions: tall stages get regions, short ones and tile_rows = 0 none") {
   if (!sj::ops::small_mm_enabled()) return;
   at::manual_seed(7);
@@ -290,12 +379,10 @@ TEST_CASE("row-tiled regions: tall stages get regions, short ones and tile_rows 
   CHECK(count_regions(*plain) == 0);
   for (const auto& st : plain->stages) plain_functions += st.functions.size();
   CHECK(tiled_functions < plain_functions);
-  // Fewer rows than kMinTiledRows (and than two tiles): no region.
-  CHECK(count_regions(*closure_of(sj::closure::kMinTiledRows - 1, 128)) == 0);
-  CHECK(count_regions(*closure_of(300, 256)) == 0);
-  // From kMinTiledRows rows on with tiles of 128 (a few hundred points: regions pay there
-  // too, bench/higher_order.md "Regions from 256 rows").
-  CHECK(count_regions(*closure_of(300, 128)) > 0);
+  // From kMinTiledRows rows on, also when every stage is shorter than one tile (a region
+  // of one tile saves the per-node overhead, bench/higher_order.md "Regions from 2 rows").
+  CHECK(count_regions(*closure_of(sj::closure::kMinTiledRows, 128)) > 0);
+  CHECK(count_regions(*closure_of(300, 512)) > 0);
   // The region names what it runs.
   for (const auto& fn : tiled->stages[0].functions)
     if (fn->name() == "FusedKernel(tiled_region)") CHECK(fn->origin.find("row-tiled region 0 of stage 0") != std::string::npos);

@@ -22,20 +22,43 @@ double rel_diff(const at::Tensor& x, const at::Tensor& ref) {
 }
 
 /// Runs `stepper` and libtorch at `p`; checks the loss and every gradient within `tol`
-/// relative (max |diff| / max |libtorch|, per tensor).
-void check_against_libtorch(Stepper& stepper, Stepper& libtorch, const Params& p, double tol) {
+/// relative (max |diff| / max |libtorch|, per tensor). In float, a value also passes within
+/// `tol` of libtorch in double on the same numbers (`data` and `p` cast): the PINN's
+/// gradients are sums over the points with cancellation, and libtorch's float can itself
+/// be 1e-5 off (a bias gradient: libtorch's float 9.5e-6 from double, stagejit's 1.1e-6).
+void check_against_libtorch(Stepper& stepper, Stepper& libtorch, const TrainingData& data, const Params& p,
+                            double tol) {
   Params g, g_ref;
   const at::Tensor loss = stepper.step(p, g);
   const at::Tensor loss_ref = libtorch.step(p, g_ref);
+  Params g64;
+  at::Tensor loss64;
+  const bool is_float = p.front().scalar_type() == at::kFloat;
+  if (is_float) {
+    Params p64;
+    for (const auto& t : p) p64.push_back(t.to(at::kDouble));
+    const TrainingData data64 = data.to(at::kDouble);  // the Stepper refers to it
+    Stepper libtorch64(Mode::Libtorch, data64);
+    loss64 = libtorch64.step(p64, g64);
+  }
+  // Within tol of libtorch, or (float) of libtorch in double; the distances print otherwise.
+  auto close = [&](const at::Tensor& x, const at::Tensor& ref, const at::Tensor& ref64) {
+    const double d = rel_diff(x, ref);
+    if (d <= tol || !is_float) return d <= tol;
+    const double own = rel_diff(x, ref64), libtorch_own = rel_diff(ref, ref64);
+    MESSAGE(d << " from libtorch's float; from libtorch in double: " << own << ", libtorch's float "
+              << libtorch_own);
+    return own <= tol;
+  };
   CAPTURE(mode_name(stepper.mode()));
-  CHECK(rel_diff(loss, loss_ref) <= tol);
+  CHECK(close(loss, loss_ref, loss64));
   REQUIRE(g.size() == p.size());
   REQUIRE(g_ref.size() == p.size());
   for (std::size_t i = 0; i < p.size(); ++i) {
     CAPTURE(i);
     CHECK((g[i].scalar_type() == p[i].scalar_type()));
     CHECK(g[i].sizes() == p[i].sizes());
-    CHECK(rel_diff(g[i], g_ref[i]) <= tol);
+    CHECK(close(g[i], g_ref[i], is_float ? g64[i] : at::Tensor()));
   }
 }
 
@@ -152,7 +175,7 @@ TEST_SUITE("pinn") {
       Stepper libtorch(Mode::Libtorch, data);
       for (Mode m : {Mode::Compiled, Mode::CompileLoss, Mode::Eager}) {
         Stepper s(m, data);
-        check_against_libtorch(s, libtorch, p, tol);
+        check_against_libtorch(s, libtorch, data, p, tol);
       }
     });
   }
@@ -172,7 +195,7 @@ TEST_SUITE("pinn") {
       // Two traces: the network at the collocation points (X requires grad) and at the
       // N_u points (no grad); every later call is a cache hit.
       CHECK(compiled.compiled_net().stats().misses == 2);
-      check_against_libtorch(compiled, libtorch, p, tol);
+      check_against_libtorch(compiled, libtorch, data, p, tol);
 
       // Another call pattern on the same compiled network: d(sum u)/d(params) at the
       // N_u points, compiled stage 1 only (no create_graph), against libtorch.
@@ -232,7 +255,7 @@ TEST_SUITE("pinn") {
       CHECK(compiled.compiled_net().stats().misses == 2);
 
       // The training step again, after the other patterns.
-      check_against_libtorch(compiled, libtorch, p, tol);
+      check_against_libtorch(compiled, libtorch, data, p, tol);
     });
   }
 }

@@ -144,7 +144,7 @@ inline bool backward_products_tile(const ir::Graph& g, int64_t tile_rows) {
     const std::string d = n->describe();
     return d == "mm" || d == "addmm" || d == "matmul";
   };
-  const int64_t min_rows = std::max<int64_t>(2 * tile_rows, closure::kMinTiledRows);
+  const int64_t min_rows = closure::kMinTiledRows;
   std::size_t products = 0, tiled = 0;
   for (std::size_t s = 1; s < by_stage.size(); ++s) {
     for (const ir::Node* n : by_stage[s]) products += is_product(n);

@@ -83,7 +83,7 @@ struct CompileOptions {
   bool joint_backward = true;
   /// Rows per tile of each stage's row-tiled region (closure/tiled_plan.hpp, Note
   /// [Row-tiled regions]): the nodes of a stage that work row by row on tensors of at
-  /// least `max(2 * tile_rows, 256)` rows (`closure::kMinTiledRows`) (fused kernels, thin products, weight and
+  /// least 2 rows (`closure::kMinTiledRows`) (fused kernels, thin products, weight and
   /// bias gradient reductions) run tile by tile, so intermediates stay in the cache.
   /// Needs LIBXSMM (`ops::small_mm_enabled`); 0 turns it off. Measured on the Burgers
   /// PINN step (bench/pinn.md, float): staged 1.48x -> 1.80x libtorch, compile-loss

@@ -43,17 +43,16 @@
 
 namespace stagejit::closure {
 
-/// Stages whose row values have fewer rows than `max(2 * tile_rows, kMinTiledRows)` are
-/// not tiled: a region of one tile only adds its bookkeeping. It was 2 048 while regions
-/// switched the staged mode's cross-stage gradients off at the cost of the softplus
-/// force field (its stage variants recomputed softplus op by op through ATen); with
-/// `passes::rematerialize_cross_stage` leaving such ops saved, 256 measured (float, one
-/// engine thread, staged / whole-loss against libtorch): a Poisson PINN 2-32x3-1 tanh at
-/// 500 rows 0.81-0.86x / 1.27-1.32x -> 1.40-1.46x / 2.05-2.14x, at 1 000 rows 1.30-1.33x /
-/// 1.90-1.92x -> 1.78-1.96x / 2.64-2.84x; bench maml 1.19x -> 1.43x, forces_silu 1.43x ->
-/// 1.86-1.96x, forces_softplus 1.44-1.48x both (bench/higher_order.md, "Regions from 256
-/// rows").
-inline constexpr int64_t kMinTiledRows = 256;
+/// Stages whose row values have fewer than `kMinTiledRows` rows are not tiled. A region of
+/// a single tile still pays: it runs its products and kernels in one Function, without the
+/// engine's per-node bookkeeping and ATen's per-op dispatch, and that overhead is most of a
+/// step at a few dozen rows. One row is excluded: a [1, C] row value cannot be told apart
+/// from a broadcast row. Measured (float, one engine thread, staged against libtorch eager;
+/// bench/higher_order.md "Regions from 2 rows"): a Poisson PINN 2-32x3-1 tanh at 16 rows
+/// 0.78x -> 1.11x, at 128 rows 0.74x -> 1.11x; 2-64x4-1 SiLU at 200 rows 0.87x -> 1.65x.
+/// It was 256 (at least two tiles), and 2 048 before `passes::rematerialize_cross_stage`
+/// left costly ops saved.
+inline constexpr int64_t kMinTiledRows = 2;
 
 /// The function graph of one stage. See the file comment.
 struct StageClosure {
@@ -94,7 +93,7 @@ struct StageClosure {
     const auto& nodes = plan.stage_nodes(s);
     // The row-tiled regions, one Function for all the nodes of each (Note [Row-tiled regions]).
     std::vector<TiledRegion> regions;
-    if (tile_rows > 0) regions = find_row_tiled_regions(nodes, std::max<int64_t>(2 * tile_rows, kMinTiledRows));
+    if (tile_rows > 0) regions = find_row_tiled_regions(nodes, kMinTiledRows);
     std::vector<std::shared_ptr<Function>> region_fns;
     std::unordered_map<const ir::Node*, std::size_t> region_of;
     for (std::size_t r = 0; r < regions.size(); ++r) {

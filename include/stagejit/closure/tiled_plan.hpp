@@ -114,11 +114,20 @@ inline bool attr_is_one(const Attributes& attrs, std::string_view name) {
 inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Node*>& nodes, int64_t min_rows) {
   using tiling::RowLayout;
   if (!ops::small_mm_enabled() || nodes.empty()) return {};
-  // N: the most common leading size among 2-D tensor outputs of the stage.
+  // One row is never tiled: a [1, C] row value reads like a broadcast row.
+  min_rows = std::max<int64_t>(min_rows, 2);
+  // N: the most common leading size among 2-D tensor outputs of the stage, among the tall
+  // ones (kTallRows and more) when there are any: a stage's weight-shaped values (the
+  // weight gradients of a backward stage) can outnumber its rows, and taking their size
+  // for N would leave the tall rows untiled.
+  constexpr int64_t kTallRows = 256;
   std::map<int64_t, int> counts;
-  for (ir::Node* n : nodes)
-    for (ir::Value* o : n->outputs())
-      if (auto* t = o->tensor_type(); t && t->sizes.size() == 2 && t->sizes[0] >= min_rows) ++counts[t->sizes[0]];
+  for (int64_t floor : {std::max(min_rows, kTallRows), min_rows}) {
+    for (ir::Node* n : nodes)
+      for (ir::Value* o : n->outputs())
+        if (auto* t = o->tensor_type(); t && t->sizes.size() == 2 && t->sizes[0] >= floor) ++counts[t->sizes[0]];
+    if (!counts.empty()) break;
+  }
   if (counts.empty()) return {};
   const int64_t N = std::max_element(counts.begin(), counts.end(),
                                      [](auto& a, auto& b) { return a.second < b.second; })->first;

@@ -400,7 +400,8 @@ class TiledRegionRunner {
     std::vector<std::vector<const char*>> dense_in(steps_.size());
     std::vector<const char*> bias_block(steps_.size(), nullptr);
     auto block_of = [&](const at::Tensor& t, int64_t C) -> const char* {
-      at::Tensor b = t.dim() == 2 && t.size(0) != 1 ? t.narrow(0, 0, tile_) : t;
+      // Rows alike (stride 0): one of them; else the first tile's rows.
+      at::Tensor b = t.dim() == 2 && t.size(0) != 1 ? t.narrow(0, 0, t.stride(0) == 0 ? 1 : tile_) : t;
       blocks.push_back(b.expand({tile_, C}).contiguous());
       return static_cast<const char*>(blocks.back().data_ptr());
     };
