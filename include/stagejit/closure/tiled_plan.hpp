@@ -25,8 +25,8 @@
 /// full [N, C] tensors.
 ///
 /// Which nodes form regions (`find_row_tiled_regions`), given N (the most common
-/// leading size of the stage's 2-D values, at least `min_rows`) and the value types the
-/// trace recorded:
+/// leading size of the stage's 2-D values, at least `min_rows` and 2, among those of 256
+/// rows and more when there are any) and the value types the trace recorded:
 /// - a row value is 2-D with N rows, of the region's dtype (float or double), on the CPU;
 ///   an invariant value is any other tensor (weights, biases) not made by a row node;
 /// - FusionGroup: row outputs [N, C] (one C), inputs row or broadcastable invariants;
