@@ -6,9 +6,10 @@
 /// its part on the runner's results:
 ///
 /// Results equal the untiled stage up to summation order and rounding: products of a
-/// tile are the same LIBXSMM kernels on fewer rows; a reduction computes each tile's
-/// part in the tensors' dtype (a column sum as a product with a row of ones) and adds
-/// the parts in double, which is at least as accurate as one pass over all rows; a lone
+/// tile are the same LIBXSMM kernels on fewer rows; a reduction is one product per tile
+/// in the tensors' dtype (a column sum as a product with a row of ones), each tile's
+/// added to the sum of the ones before by the GEMM itself (beta = 1), as one product over
+/// all rows accumulates (the tiles' blocks in another order); a lone
 /// elementwise op runs the fusion backend's formula (its tanh, exp) instead of ATen's.
 
 #include <stagejit/autograd/variable.hpp>
@@ -405,6 +406,7 @@ class TiledRegionRunner {
       blocks.push_back(b.expand({tile_, C}).contiguous());
       return static_cast<const char*>(blocks.back().data_ptr());
     };
+    std::vector<FusedCall> fused(steps_.size());
     for (std::size_t i = 0; i < steps_.size(); ++i) {
       const Step& st = steps_[i];
       if (tiling::fused_form(st.kind) && kernels[i]) {
@@ -416,122 +418,129 @@ class TiledRegionRunner {
           const bool broadcast_rows = !val.row || (base[st.in[k]].s0 == 0 && val.cols == f->cols);
           if (broadcast_rows) dense_in[i][k] = block_of(in[std::size_t(val.index)], f->cols);
         }
+        fused[i] = plan_fused_call<T>(st, *f, *kernels[i], base, dense_in[i]);
       } else if (auto* mm = std::get_if<tiling::RowMmStep>(&st.kind); mm && mm->has_bias) {
         bias_block[i] = block_of(tensor_of(st.in[0]).reshape({1, -1}), contiguous_b[st.in[2]].size(1));
       }
     }
     const std::vector<T> ones(std::size_t(tile_), T(1));  // column sums as products
-    // Reductions: each tile's partial result in T, summed over the tiles in double.
-    std::vector<T> part;
-    std::vector<std::vector<double>> sums(steps_.size());
-    auto add_to = [](std::vector<double>& acc, const std::vector<T>& x) {
-      if (acc.empty()) acc.assign(x.size(), 0.0);
-      for (std::size_t k = 0; k < x.size(); ++k) acc[k] += double(x[k]);
-    };
+    // Reductions: the product of the first tile is written to the step's buffer and every
+    // later tile's product is added to it by the GEMM (beta = 1), so the sum over the rows
+    // accumulates in T as one product over all N rows would (libtorch's own reduction).
+    std::vector<std::vector<T>> sums(steps_.size());
     // A product LIBXSMM refuses (strides of this call's inputs it cannot read) sends the
     // whole call down the untiled path: nothing the region wrote is visible yet.
     bool refused = false;
-    for (int64_t r0 = 0; r0 < N && !refused; r0 += tile_) {
-      const int64_t rows = std::min(tile_, N - r0);
-      for (std::size_t i = 0; i < steps_.size() && !refused; ++i) {
-        const Step& st = steps_[i];
-        std::visit(Overloaded{
-                       [&](const std::monostate&) {},
-                       [&](const tiling::FusedStep& f) {
-                         run_fused_tile<T>(st, f, *kernels[i], rows, r0, view, dense_in[i]);
-                       },
-                       [&](const tiling::RowMmStep& mm) {
-                         const std::size_t a = st.in[mm.has_bias ? 1 : 0], b = st.in[mm.has_bias ? 2 : 1];
-                         const View A = view(a, r0), O = view(st.out[0], r0);
-                         const at::Tensor& B = contiguous_b[b];
-                         const int64_t K = B.size(0), M = B.size(1);
-                         T* out = reinterpret_cast<T*>(O.data);
-                         if (mm.has_bias) {  // out = bias, then out += A @ B
-                           const char* bias = bias_block[i];
-                           if (O.s0 == M)
-                             std::memcpy(out, bias, std::size_t(rows * M) * sizeof(T));
-                           else
-                             for (int64_t r = 0; r < rows; ++r)
-                               std::memcpy(out + r * O.s0, bias + r * M * int64_t(sizeof(T)), std::size_t(M) * sizeof(T));
-                         }
-                         refused = refused || !ops::small_mm_raw(reinterpret_cast<const T*>(A.data), A.s0, A.s1,
-                                                                 B.data_ptr<T>(), B.stride(0), B.stride(1), out, O.s0,
-                                                                 rows, K, M, mm.has_bias);
-                       },
-                       [&](const tiling::ReduceMmStep&) {
-                         // out [K, M] += X[rows, K]^T @ Y[rows, M]
-                         // The first operand: t(X) of a region value X, or a [K, N] tensor
-                         // from outside read by columns.
-                         const Value& xv = values_[st.in[0]];
-                         const T* xp = nullptr;
-                         int64_t a_s0 = 0, a_s1 = 0;
-                         if (xv.storage == Storage::Alias) {
-                           const View X = view(std::size_t(xv.index), r0);
-                           xp = reinterpret_cast<const T*>(X.data);
-                           a_s0 = X.s1;
-                           a_s1 = X.s0;
-                         } else {  // [K, N] by columns: base strides (stride(0), stride(1))
-                           const View c = base[st.in[0]];
-                           xp = reinterpret_cast<const T*>(c.data) + r0 * c.s1;
-                           a_s0 = c.s0;
-                           a_s1 = c.s1;
-                         }
-                         const View Y = view(st.in[1], r0);
-                         const Value& o = values_[st.out[0]];
-                         const int64_t K = o.sizes[0], M = o.sizes[1];
-                         part.resize(std::size_t(K * M));
-                         refused = refused || !ops::small_mm_raw(xp, a_s0, a_s1, reinterpret_cast<const T*>(Y.data),
-                                                                 Y.s0, Y.s1, part.data(), M, K, rows, M, false);
-                         add_to(sums[i], part);
-                       },
-                       [&](const tiling::ColSumStep&) {
-                         // out[1, C] += ones[1, rows] @ X[rows, C]: a reduction product.
-                         const View X = view(st.in[0], r0);
-                         const int64_t C = values_[st.in[0]].cols;
-                         const T* x = reinterpret_cast<const T*>(X.data);
-                         part.assign(std::size_t(C), T(0));
-                         if (!ops::small_mm_raw(ones.data(), rows, 1, x, X.s0, X.s1, part.data(), C, 1, rows, C, false))
-                           for (int64_t r = 0; r < rows; ++r)
-                             for (int64_t c = 0; c < C; ++c) part[std::size_t(c)] += x[r * X.s0 + c * X.s1];
-                         add_to(sums[i], part);
-                       },
-                       [&](const tiling::ColumnCopyStep& copy) {
-                         const View O = view(st.out[0], r0);
-                         T* out = reinterpret_cast<T*>(O.data);
-                         for (const auto& p : copy.pieces) {
-                           const View I = view(st.in[p.input], r0);
-                           const T* x = reinterpret_cast<const T*>(I.data) + p.src_col * I.s1;
-                           T* y = out + p.dst_col * O.s1;
-                           if (I.s1 == 1 && O.s1 == 1) {
-                             for (int64_t r = 0; r < rows; ++r)
-                               std::memcpy(y + r * O.s0, x + r * I.s0, std::size_t(p.cols) * sizeof(T));
-                           } else {
-                             for (int64_t r = 0; r < rows; ++r)
-                               for (int64_t c = 0; c < p.cols; ++c) y[r * O.s0 + c * O.s1] = x[r * I.s0 + c * I.s1];
-                           }
-                         }
-                       },
-                       [&](const tiling::RowOpStep& op) {
-                         if (kernels[i]) {
-                           run_fused_tile<T>(st, *op.alone, *kernels[i], rows, r0, view, dense_in[i]);
-                           return;
-                         }
-                         std::vector<at::Tensor> args;
-                         for (std::size_t v : st.in) {
-                           const Value& val = values_[v];
-                           if (!val.row) {
-                             args.push_back(full_of(v));
-                             continue;
-                           }
-                           const View x = view(v, r0);
-                           args.push_back(at::from_blob(x.data, {rows, val.cols}, {x.s0, x.s1}, options));
-                         }
-                         at::Tensor r = ops::run_forward(*op.op, args, op.attrs).at(0);
-                         const View O = view(st.out[0], r0);
-                         at::from_blob(O.data, {rows, values_[st.out[0]].cols}, {O.s0, O.s1}, options).copy_(r);
-                       },
-                   },
-                   st.kind);
+    // The step visitor is built once per call: its lambdas read the loop's position
+    // (tile r0 of `rows` rows, step i) through references. Built inside the loops, the
+    // visitor (a few hundred bytes of captured references) was zeroed and filled again
+    // for every step of every tile (3 % of a KdV step, perf).
+    int64_t r0 = 0, rows = 0;
+    std::size_t i = 0;
+    const Step* step = nullptr;
+    auto visitor = Overloaded{
+      [&](const std::monostate&) {},
+      [&](const tiling::FusedStep&) {
+        run_fused_tile(fused[i], rows, r0);
+      },
+      [&](const tiling::RowMmStep& mm) {
+        const std::size_t a = step->in[mm.has_bias ? 1 : 0], b = step->in[mm.has_bias ? 2 : 1];
+        const View A = view(a, r0), O = view(step->out[0], r0);
+        const at::Tensor& B = contiguous_b[b];
+        const int64_t K = B.size(0), M = B.size(1);
+        T* out = reinterpret_cast<T*>(O.data);
+        if (mm.has_bias) {  // out = bias, then out += A @ B
+          const char* bias = bias_block[i];
+          if (O.s0 == M)
+            std::memcpy(out, bias, std::size_t(rows * M) * sizeof(T));
+          else
+            for (int64_t r = 0; r < rows; ++r)
+              std::memcpy(out + r * O.s0, bias + r * M * int64_t(sizeof(T)), std::size_t(M) * sizeof(T));
+        }
+        refused = refused || !ops::small_mm_raw(reinterpret_cast<const T*>(A.data), A.s0, A.s1,
+                                                B.data_ptr<T>(), B.stride(0), B.stride(1), out, O.s0,
+                                                rows, K, M, mm.has_bias);
+      },
+      [&](const tiling::ReduceMmStep&) {
+        // out [K, M] += X[rows, K]^T @ Y[rows, M]
+        // The first operand: t(X) of a region value X, or a [K, N] tensor
+        // from outside read by columns.
+        const Value& xv = values_[step->in[0]];
+        const T* xp = nullptr;
+        int64_t a_s0 = 0, a_s1 = 0;
+        if (xv.storage == Storage::Alias) {
+          const View X = view(std::size_t(xv.index), r0);
+          xp = reinterpret_cast<const T*>(X.data);
+          a_s0 = X.s1;
+          a_s1 = X.s0;
+        } else {  // [K, N] by columns: base strides (stride(0), stride(1))
+          const View c = base[step->in[0]];
+          xp = reinterpret_cast<const T*>(c.data) + r0 * c.s1;
+          a_s0 = c.s0;
+          a_s1 = c.s1;
+        }
+        const View Y = view(step->in[1], r0);
+        const Value& o = values_[step->out[0]];
+        const int64_t K = o.sizes[0], M = o.sizes[1];
+        std::vector<T>& acc = sums[i];
+        const bool first = acc.empty();
+        if (first) acc.resize(std::size_t(K * M));
+        refused = refused || !ops::small_mm_raw(xp, a_s0, a_s1, reinterpret_cast<const T*>(Y.data),
+                                                Y.s0, Y.s1, acc.data(), M, K, rows, M, !first);
+      },
+      [&](const tiling::ColSumStep&) {
+        // out[1, C] += ones[1, rows] @ X[rows, C]: a reduction product.
+        const View X = view(step->in[0], r0);
+        const int64_t C = values_[step->in[0]].cols;
+        const T* x = reinterpret_cast<const T*>(X.data);
+        std::vector<T>& acc = sums[i];
+        const bool first = acc.empty();
+        if (first) acc.assign(std::size_t(C), T(0));
+        if (!ops::small_mm_raw(ones.data(), rows, 1, x, X.s0, X.s1, acc.data(), C, 1, rows, C, !first))
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < C; ++c) acc[std::size_t(c)] += x[r * X.s0 + c * X.s1];
+      },
+      [&](const tiling::ColumnCopyStep& copy) {
+        const View O = view(step->out[0], r0);
+        T* out = reinterpret_cast<T*>(O.data);
+        for (const auto& p : copy.pieces) {
+          const View I = view(step->in[p.input], r0);
+          const T* x = reinterpret_cast<const T*>(I.data) + p.src_col * I.s1;
+          T* y = out + p.dst_col * O.s1;
+          if (I.s1 == 1 && O.s1 == 1) {
+            for (int64_t r = 0; r < rows; ++r)
+              std::memcpy(y + r * O.s0, x + r * I.s0, std::size_t(p.cols) * sizeof(T));
+          } else {
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t c = 0; c < p.cols; ++c) y[r * O.s0 + c * O.s1] = x[r * I.s0 + c * I.s1];
+          }
+        }
+      },
+      [&](const tiling::RowOpStep& op) {
+        if (kernels[i]) {
+          run_fused_tile(fused[i], rows, r0);
+          return;
+        }
+        std::vector<at::Tensor> args;
+        for (std::size_t v : step->in) {
+          const Value& val = values_[v];
+          if (!val.row) {
+            args.push_back(full_of(v));
+            continue;
+          }
+          const View x = view(v, r0);
+          args.push_back(at::from_blob(x.data, {rows, val.cols}, {x.s0, x.s1}, options));
+        }
+        at::Tensor r = ops::run_forward(*op.op, args, op.attrs).at(0);
+        const View O = view(step->out[0], r0);
+        at::from_blob(O.data, {rows, values_[step->out[0]].cols}, {O.s0, O.s1}, options).copy_(r);
+      },
+    };
+    for (r0 = 0; r0 < N && !refused; r0 += tile_) {
+      rows = std::min(tile_, N - r0);
+      for (i = 0; i < steps_.size() && !refused; ++i) {
+        step = &steps_[i];
+        std::visit(visitor, step->kind);
       }
     }
     if (refused) return run_untiled(inputs);
@@ -539,36 +548,51 @@ class TiledRegionRunner {
       if (sums[i].empty()) continue;
       const Value& o = values_[steps_[i].out[0]];
       at::Tensor& dst = o.storage == Storage::Output ? outputs[std::size_t(o.index)] : reductions[std::size_t(o.index)];
-      T* p = dst.data_ptr<T>();
-      for (std::size_t k = 0; k < sums[i].size(); ++k) p[k] = static_cast<T>(sums[i][k]);
+      std::memcpy(dst.data_ptr<T>(), sums[i].data(), sums[i].size() * sizeof(T));
     }
     return variable_list(outputs.begin(), outputs.end());
   }
 
-  // One fused kernel on rows [r0, r0 + rows): the iteration shape [rows, C], merged to
-  // one dimension when every argument is dense.
-  // `dense_in[k]`: a dense [tile_rows, C] block that replaces input k (or null).
-  template <class T, class ViewFn>
-  void run_fused_tile(const Step& st, const tiling::FusedStep& f, const fusion::CpuKernel& kernel, int64_t rows,
-                      int64_t r0, ViewFn& view, const std::vector<const char*>& dense_in) const {
+  // One fused step's kernel arguments in this call, laid out once before the tile loop:
+  // each tile only moves the data pointers and sets the row count.
+  struct FusedCall {
+    const fusion::CpuKernel* kernel = nullptr;
+    int64_t cols = 0;
+    bool flat = false;                    // one merged dimension (every argument dense, or C = 1)
+    std::vector<fusion::TensorArg> args;  // at row 0; the tile's copy is `tile`
+    std::vector<int64_t> row_bytes;       // bytes a tile of r0 rows further moves (0: not a row value)
+    std::vector<fusion::TensorArg> tile;
+  };
+
+  // The arguments of fused step `st` (kernel `kernel`, iteration shape [rows, C]) for this
+  // call. `base`: where each value lives; `dense_in[k]`: a dense [tile_rows, C] block that
+  // replaces input k (or null).
+  template <class T>
+  FusedCall plan_fused_call(const Step& st, const tiling::FusedStep& f, const fusion::CpuKernel& kernel,
+                            const std::vector<View>& base, const std::vector<const char*>& dense_in) const {
     const int64_t C = f.cols;
     const std::size_t n = st.in.size() + st.out.size();
-    fusion::TensorArg args[tiling::kMaxTiledKernelArgs];
     STAGEJIT_CHECK(n <= tiling::kMaxTiledKernelArgs, "tiled region: ", f.name, " has more than ",
                    tiling::kMaxTiledKernelArgs, " arguments (find_row_tiled_regions leaves such groups out)");
+    FusedCall call;
+    call.kernel = &kernel;
+    call.cols = C;
+    call.args.resize(n);
+    call.row_bytes.assign(n, 0);
     bool dense = true;
     for (std::size_t k = 0; k < n; ++k) {
       const std::size_t v = k < st.in.size() ? st.in[k] : st.out[k - st.in.size()];
       const Value& val = values_[v];
-      fusion::TensorArg& a = args[k];
+      fusion::TensorArg& a = call.args[k];
       if (k < st.in.size() && dense_in[k]) {
         a.data = const_cast<char*>(dense_in[k]);
         a.strides[0] = C;
         a.strides[1] = 1;
         continue;
       }
-      const View x = view(v, r0);
+      const View x = base[v];
       a.data = x.data;
+      if (val.row && val.storage != Storage::Scratch) call.row_bytes[k] = x.s0 * int64_t(sizeof(T));
       int64_t s0 = x.s0, s1 = x.s1;
       if (!val.row) {  // broadcast invariant: [C], [1, C], [1, 1], [1] or a 0-d tensor
         s0 = 0;
@@ -581,19 +605,27 @@ class TiledRegionRunner {
       a.strides[1] = s1;
       dense = dense && s1 == 1 && s0 == C;
     }
-    if (dense || C == 1) {
-      for (std::size_t k = 0; k < n; ++k) {
-        args[k].sizes[0] = rows * C;
-        args[k].strides[0] = C == 1 ? args[k].strides[0] : 1;
-      }
-      kernel.entry_fn()(0, rows * C, 1, args);
-      return;
+    call.flat = dense || C == 1;
+    for (fusion::TensorArg& a : call.args) {
+      if (call.flat)
+        a.strides[0] = C == 1 ? a.strides[0] : 1;
+      else
+        a.sizes[1] = C;
     }
-    for (std::size_t k = 0; k < n; ++k) {
-      args[k].sizes[0] = rows;
-      args[k].sizes[1] = C;
+    call.tile = call.args;
+    return call;
+  }
+
+  // One fused kernel on rows [r0, r0 + rows): the iteration shape [rows, C], merged to
+  // one dimension when every argument is dense.
+  static void run_fused_tile(FusedCall& call, int64_t rows, int64_t r0) {
+    const int64_t C = call.cols;
+    for (std::size_t k = 0; k < call.args.size(); ++k) {
+      fusion::TensorArg& a = call.tile[k];
+      a.data = static_cast<char*>(call.args[k].data) + r0 * call.row_bytes[k];
+      a.sizes[0] = call.flat ? rows * C : rows;
     }
-    kernel.entry_fn()(0, rows * C, 2, args);
+    call.kernel->entry_fn()(0, rows * C, call.flat ? 1 : 2, call.tile.data());
   }
 
   // The CPU kernel of every fused step (null entries for other steps), planned on the
