@@ -303,12 +303,15 @@ V softplus_laplacian_loss(const std::vector<V>& in, Grad grad_sum) {
   return mean(r * r) + mean(h * h);
 }
 
-TEST_CASE("row-tiled regions: a softplus Laplacian loss under one tile equals libtorch in double") {
-  if (!sj::ops::small_mm_enabled()) return;
+// The softplus Laplacian step at `rows` points and hidden width `width`, staged and whole,
+// checked against libtorch in double (both rounds of both modes). Returns the Functions of
+// the staged and the whole-loss closures together, and the stages of the staged network
+// without a row-tiled region.
+std::pair<std::size_t, std::size_t> check_softplus_laplacian(int64_t rows, int64_t width) {
   at::manual_seed(12);
   const auto o = at::TensorOptions().dtype(at::kDouble);
-  std::vector<at::Tensor> data{at::rand({100, 2}, o)};
-  for (auto [out, in] : {std::pair<int64_t, int64_t>{50, 2}, {50, 50}, {50, 50}, {1, 50}}) {
+  std::vector<at::Tensor> data{at::rand({rows, 2}, o)};
+  for (auto [out, in] : {std::pair<int64_t, int64_t>{width, 2}, {width, width}, {width, width}, {1, width}}) {
     data.push_back(at::randn({out, in}, o) / std::sqrt(double(in)));
     data.push_back(at::randn({out}, o) * 0.1);
   }
@@ -357,6 +360,35 @@ TEST_CASE("row-tiled regions: a softplus Laplacian loss under one tile equals li
         CHECK(max_abs_diff(got[i].data(), want[i]) <= 1e-10 * (1 + want[i].abs().max().item<double>()));
       CHECK(count_regions(*(mode == 1 ? whole : net).closure_for(in)) > 0);
     }
+  sj::variable_list in;
+  for (const auto& x : data) in.emplace_back(x, true);
+  std::size_t functions = 0, untiled_stages = 0;
+  for (const auto* c : {net.closure_for(in).get(), whole.closure_for(in).get()})
+    for (const auto& st : c->stages) functions += st.functions.size();
+  for (const auto& st : net.closure_for(in)->stages)
+    untiled_stages += std::none_of(st.functions.begin(), st.functions.end(),
+                                   [](const auto& fn) { return fn->name() == "FusedKernel(tiled_region)"; });
+  return {functions, untiled_stages};
+}
+
+TEST_CASE("row-tiled regions: a softplus Laplacian loss under one tile equals libtorch in double") {
+  if (!sj::ops::small_mm_enabled()) return;
+  check_softplus_laplacian(100, 50);
+}
+
+TEST_CASE("row-tiled regions: as many rows as the width (square weights) tile as any other size") {
+  // A [50, 50] weight of a 50-row batch has the shape of a row value, a t() of a row from
+  // an earlier stage that of a weight, and a [50] bias that of a column. The plan reads
+  // each as its product or broadcast does, so the stages come out as they do at 49 rows
+  // (the square case once ran its products untiled, below eager). Every stage of the
+  // network has a region: the forward's matmul(h, t(W)) is a row product, and the
+  // backward's fusion groups write their Bool masks (softplus's threshold) tile by tile.
+  if (!sj::ops::small_mm_enabled()) return;
+  const auto square = check_softplus_laplacian(50, 50);
+  const auto other = check_softplus_laplacian(49, 50);
+  CHECK(square.first == other.first);
+  CHECK(square.second == 0);
+  CHECK(other.second == 0);
 }
 
 TEST_CASE("row-tiled regions: tall stages get regions, short ones and tile_rows = 0 none") {

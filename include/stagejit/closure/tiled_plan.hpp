@@ -73,6 +73,10 @@ struct TiledRegion {
   std::vector<ir::Node*> nodes;      ///< in stage order
   std::vector<ir::Value*> inputs;    ///< distinct values read from outside (Function inputs)
   std::vector<ir::Value*> outputs;   ///< distinct region values read outside (Function outputs)
+  /// The nodes summed over the rows (reduction products `mm(t(X), Y)`, column sums):
+  /// decided by the planner from how the node reads its operands, not from the output's
+  /// shape, which cannot tell `[N, M]` from `[C, M]` when C = N.
+  std::unordered_set<const ir::Node*> reductions;
 
   std::ptrdiff_t input_index(const ir::Value* v) const {
     auto it = std::find(inputs.begin(), inputs.end(), v);
@@ -85,6 +89,20 @@ struct TiledRegion {
 };
 
 namespace tiling {
+
+/// Whether `n` is a product of two matrices: `mm`, or `matmul` of two 2-D operands (what
+/// `matmul(h, t(W))` traces to in a forward stage); the runner runs both as `mm`.
+inline bool is_matrix_product(const ir::Node& n) {
+  const ir::Op* op = n.get_if<ir::Op>();
+  if (!op || n.inputs().size() != 2) return false;
+  if (op->id() == OpId::mm) return true;
+  if (op->id() != OpId::matmul) return false;
+  for (const ir::Value* v : n.inputs()) {
+    const ir::TensorType* t = v->tensor_type();
+    if (!t || t->sizes.size() != 2) return false;
+  }
+  return true;
+}
 
 /// The most arguments (inputs and outputs) of a fusion group inside a region: the
 /// runner hands a tile's to the kernel in a fixed array.
@@ -133,7 +151,7 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
                                      [](auto& a, auto& b) { return a.second < b.second; })->first;
   std::optional<at::ScalarType> dtype;
   for (ir::Node* n : nodes)
-    if (n->is<ir::FusionGroup>() || (n->get_if<ir::Op>() && n->get_if<ir::Op>()->id() == OpId::mm))
+    if (n->is<ir::FusionGroup>() || tiling::is_matrix_product(*n))
       if (auto* t = n->outputs().empty() ? nullptr : n->outputs()[0]->tensor_type(); t && t->sizes.size() == 2 && t->sizes[0] == N) {
         dtype = t->dtype;
         break;
@@ -150,16 +168,51 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
   auto is_row_type = [&](const ir::TensorType* t) {
     return t && t->sizes.size() == 2 && t->sizes[0] == N && t->dtype == *dtype && t->device.is_cpu();
   };
+  // What a product does with its operands, whatever their shapes: a row product mm(A, B)
+  // reads its right operand B whole (so does addmm its matrix), and a reduction
+  // mm(t(X), Y) reads t(X) by columns. Shapes alone cannot tell these apart when N equals
+  // a width: with 32 rows and 32-wide layers, a [32, 32] weight looks like a row value
+  // and a t(X) from an earlier stage like one too, and the stage's products ran untiled.
+  // `whole_operands` are invariants and `column_operands` (a t() output as the left
+  // operand of mm) are read by columns whatever their shape. Either reading is valid for
+  // any operand of that shape: B is used whole by every tile's product, and a reduction
+  // tiles its contracted dimension.
+  std::unordered_set<const ir::Value*> whole_operands, column_operands;
+  for (ir::Node* n : nodes) {
+    const ir::Op* op = n->get_if<ir::Op>();
+    if (!op) continue;
+    if (tiling::is_matrix_product(*n)) {
+      const ir::Op* a = n->inputs()[0]->node()->get_if<ir::Op>();
+      if (a && a->id() == OpId::t)
+        column_operands.insert(n->inputs()[0]);
+      else
+        whole_operands.insert(n->inputs()[1]);
+    } else if (op->id() == OpId::addmm && n->inputs().size() == 3) {
+      whole_operands.insert(n->inputs()[2]);
+    }
+  }
   // The layout a region node reads `v` with.
   auto layout_of = [&](const ir::Value* v) -> RowLayout {
-    if (auto it = layout.find(v); it != layout.end())
+    if (auto it = layout.find(v); it != layout.end()) {
+      // A fusion group's Bool mask (saved for a later stage) leaves the region; no region
+      // node reads it.
+      if (it->second == RowLayout::Row && v->tensor_type()->dtype != *dtype) return RowLayout::Bad;
       return it->second == RowLayout::Reduction ? RowLayout::Invariant : it->second;  // complete once its region ran
+    }
     const ir::TensorType* t = tensor_of(v);
     if (!t || v->node()->is<ir::Undefined>() || !t->device.is_cpu()) return RowLayout::Bad;
+    if (whole_operands.count(v)) return RowLayout::Invariant;
+    if (column_operands.count(v) && t->sizes.size() == 2 && t->sizes[1] == N && t->dtype == *dtype)
+      return RowLayout::Col;
     if (is_row_type(t)) return RowLayout::Row;
     if (t->sizes.size() == 2 && t->sizes[1] == N && t->sizes[0] != N && t->dtype == *dtype) return RowLayout::Col;
-    for (int64_t d : t->sizes)
-      if (d == N) return RowLayout::Bad;  // e.g. [N]: neither row nor small
+    // A vector [C] or a row [1, C] broadcasts along the rows whatever C is (a bias of
+    // width N when N rows meet N-wide layers); other shapes holding N are neither rows
+    // nor small.
+    const bool broadcast_row = t->sizes.size() == 1 || (t->sizes.size() == 2 && t->sizes[0] == 1);
+    if (!broadcast_row)
+      for (int64_t d : t->sizes)
+        if (d == N) return RowLayout::Bad;
     return RowLayout::Invariant;
   };
   auto small = [](int64_t d) { return d >= 1 && d <= 64; };
@@ -189,8 +242,11 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
       if (n->inputs().size() + n->outputs().size() > tiling::kMaxTiledKernelArgs) return RowLayout::Bad;
       const int64_t C = out->sizes.size() == 2 ? out->sizes[1] : -1;
       for (ir::Value* o : n->outputs()) {
+        // Rows of the region's dtype, or a Bool mask (a comparison saved for a later stage,
+        // as softplus's derivatives have): its rows are written tile by tile like any other.
         const ir::TensorType* t = tensor_of(o);
-        if (!is_row_type(t) || t->sizes[1] != C || !t->is_contiguous()) return RowLayout::Bad;
+        const bool mask = t && t->dtype == at::kBool && t->sizes.size() == 2 && t->sizes[0] == N && t->device.is_cpu();
+        if ((!is_row_type(t) && !mask) || t->sizes[1] != C || !t->is_contiguous()) return RowLayout::Bad;
       }
       for (std::size_t i = 0; i < in.size(); ++i) {
         if (in[i] == RowLayout::RowT || in[i] == RowLayout::Col) return RowLayout::Bad;
@@ -215,7 +271,7 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
       const ir::TensorType* t = tensor_of(n->inputs()[i]);
       return t->sizes.size() == 2 && t->dtype == *dtype;
     };
-    switch (op->id()) {
+    switch (tiling::is_matrix_product(*n) ? OpId::mm : op->id()) {
       case OpId::mm:
         if (in[0] == RowLayout::Row && in[1] == RowLayout::Invariant && matrix(1) && small(size_of(0, 1)) &&
             small(size_of(1, 1)) && is_row_type(out) && out->is_contiguous())
@@ -238,7 +294,8 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
         // Only as the first operand of reduction products.
         for (const ir::Use& u : n->outputs()[0]->uses()) {
           const ir::Op* uop = u.user->get_if<ir::Op>();
-          if (!uop || uop->id() != OpId::mm || u.offset != 0 || u.user->stage() != n->stage()) return RowLayout::Bad;
+          if (!uop || !tiling::is_matrix_product(*u.user) || u.offset != 0 || u.user->stage() != n->stage())
+            return RowLayout::Bad;
         }
         return RowLayout::RowT;
       }
@@ -295,6 +352,11 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
       }
     }
     RowLayout l = classify(n);
+    // A value some product reads whole is not made tile by tile (a reduction's result is
+    // whole once its region ran).
+    if (l != RowLayout::Reduction)
+      for (ir::Value* o : n->outputs())
+        if (whole_operands.count(o)) l = RowLayout::Bad;
     if (l == RowLayout::Reduction && layout_of(n->inputs()[0]) == RowLayout::RowT) {
       // A reduction product takes its t(X) into its own region: at least X's level.
       ir::Node* t = n->inputs()[0]->node();
@@ -351,8 +413,9 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
       region.nodes.push_back(n);
       const RowLayout l = layout.at(n->outputs()[0]);
       if (n->is<ir::FusionGroup>()) ++work;
-      if (auto* op = n->get_if<ir::Op>(); op && (op->id() == OpId::mm || op->id() == OpId::addmm) && l == RowLayout::Row)
+      if (auto* op = n->get_if<ir::Op>(); op && (tiling::is_matrix_product(*n) || op->id() == OpId::addmm) && l == RowLayout::Row)
         ++work;
+      if (l == RowLayout::Reduction) region.reductions.insert(n);
     }
     if (work < 2) continue;
     std::unordered_set<const ir::Node*> members(region.nodes.begin(), region.nodes.end());

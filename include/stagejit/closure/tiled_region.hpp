@@ -103,6 +103,7 @@ class TiledRegionRunner {
       if (t) {
         val.sizes.assign(t->sizes.begin(), t->sizes.end());
         val.dtype = t->dtype;
+        val.elem = int64_t(c10::elementSize(t->dtype));
       }
       val.row = t && t->sizes.size() == 2 && t->sizes[0] == region_.rows;
       if (val.row) val.cols = t->sizes[1];
@@ -119,9 +120,8 @@ class TiledRegionRunner {
         std::string name = it == group_names.end() ? "fusion_group" : it->second;
         auto group = std::make_shared<const fusion::FusedGroup>(fg->subgraph, name);
         step.kind = tiling::FusedStep{group, fg->subgraph, name, n->outputs()[0]->tensor_type()->sizes[1]};
-      } else if (op->id() == OpId::mm) {
-        const bool reduce = !n->outputs()[0]->tensor_type() || n->outputs()[0]->tensor_type()->sizes[0] != region_.rows;
-        if (reduce)
+      } else if (tiling::is_matrix_product(*n)) {
+        if (region_.reductions.count(n))
           step.kind = tiling::ReduceMmStep{};
         else
           step.kind = tiling::RowMmStep{false};
@@ -308,6 +308,7 @@ class TiledRegionRunner {
     int64_t cols = 0;
     std::vector<int64_t> sizes;
     at::ScalarType dtype = at::kFloat;
+    int64_t elem = 0;  // bytes per element (a fusion group's Bool mask among float rows)
   };
   struct Step {
     ir::Node* node = nullptr;
@@ -347,7 +348,10 @@ class TiledRegionRunner {
     // filled tile by tile, reductions at the end.
     std::vector<at::Tensor> outputs(region_.outputs.size());
     for (std::size_t j = 0; j < outputs.size(); ++j)
-      outputs[j] = at::empty(values_[index_of_.at(region_.outputs[j])].sizes, options);
+    {
+      const Value& val = values_[index_of_.at(region_.outputs[j])];
+      outputs[j] = at::empty(val.sizes, options.dtype(val.dtype));
+    }
     std::vector<at::Tensor> reductions(reductions_);
     std::vector<at::Tensor> slots;
     slots.reserve(slot_cols_.size());
@@ -391,7 +395,7 @@ class TiledRegionRunner {
     auto view = [&](std::size_t v, int64_t r0) -> View {
       const Value& val = values_[v];
       View b = base[v];
-      if (val.row && val.storage != Storage::Scratch) b.data += r0 * b.s0 * int64_t(sizeof(T));
+      if (val.row && val.storage != Storage::Scratch) b.data += r0 * b.s0 * val.elem;
       return b;
     };
     // Kernel inputs that every tile sees alike (a broadcast bias, a row of an expand with
@@ -592,7 +596,7 @@ class TiledRegionRunner {
       }
       const View x = base[v];
       a.data = x.data;
-      if (val.row && val.storage != Storage::Scratch) call.row_bytes[k] = x.s0 * int64_t(sizeof(T));
+      if (val.row && val.storage != Storage::Scratch) call.row_bytes[k] = x.s0 * val.elem;
       int64_t s0 = x.s0, s1 = x.s1;
       if (!val.row) {  // broadcast invariant: [C], [1, C], [1, 1], [1] or a 0-d tensor
         s0 = 0;
