@@ -86,4 +86,23 @@ TEST_CASE("higher-order workloads: every workload equals libtorch") {
   }
 }
 
+TEST_CASE("higher-order workloads: the critic at full size in float is as accurate as libtorch") {
+  // 2 000 rows: 16 tiles of every row-tiled region. The critic's last bias gradient is a
+  // small difference of large sums (D(fake) against D(real)), so a reduction that loses
+  // precision across tiles shows here: summed in one float accumulator it was 4.5x further
+  // from the double result than libtorch in float (bench/higher_order.md, 2026-12-06).
+  const ho::Result truth = ho::make_workload("critic128", at::kDouble, /*small=*/false)->step(ho::Mode::Libtorch);
+  auto w = ho::make_workload("critic128", at::kFloat, /*small=*/false);
+  const double libtorch_error = ho::max_rel_diff(w->step(ho::Mode::Libtorch), truth);
+  for (ho::Mode m : {ho::Mode::Staged, ho::Mode::WholeLoss})
+    for (int c = 0; c < 2; ++c) {
+      const std::string mode = ho::mode_name(m);
+      CAPTURE(mode);
+      CAPTURE(c);
+      const double error = ho::max_rel_diff(w->step(m), truth);
+      CHECK_MESSAGE(error <= 2 * libtorch_error, mode, " call ", c + 1, ": error ", error, " against libtorch's ",
+                    libtorch_error);
+    }
+}
+
 }  // TEST_SUITE

@@ -6,10 +6,11 @@
 /// its part on the runner's results:
 ///
 /// Results equal the untiled stage up to summation order and rounding: products of a
-/// tile are the same LIBXSMM kernels on fewer rows; a reduction is one product per tile
-/// in the tensors' dtype (a column sum as a product with a row of ones), each tile's
-/// added to the sum of the ones before by the GEMM itself (beta = 1), as one product over
-/// all rows accumulates (the tiles' blocks in another order); a lone
+/// tile are the same LIBXSMM kernels on fewer rows; a reduction product is one product
+/// per tile, each tile's added to the sum of the ones before by the GEMM itself (beta =
+/// 1), as one product over all rows accumulates (the tiles' blocks in another order); a
+/// column sum is a product with a row of ones per tile, the tiles' sums added in double
+/// (at least as accurate as at::sum's cascade); a lone
 /// elementwise op runs the fusion backend's formula (its tanh, exp) instead of ATen's.
 
 #include <stagejit/autograd/variable.hpp>
@@ -428,10 +429,13 @@ class TiledRegionRunner {
       }
     }
     const std::vector<T> ones(std::size_t(tile_), T(1));  // column sums as products
-    // Reductions: the product of the first tile is written to the step's buffer and every
+    // Reduction products: the first tile's product is written to the step's buffer and every
     // later tile's product is added to it by the GEMM (beta = 1), so the sum over the rows
     // accumulates in T as one product over all N rows would (libtorch's own reduction).
     std::vector<std::vector<T>> sums(steps_.size());
+    // Column sums: each tile's in T (`part`), added over the tiles in double.
+    std::vector<T> part;
+    std::vector<std::vector<double>> column_sums(steps_.size());
     // A product LIBXSMM refuses (strides of this call's inputs it cannot read) sends the
     // whole call down the untiled path: nothing the region wrote is visible yet.
     bool refused = false;
@@ -497,12 +501,17 @@ class TiledRegionRunner {
         const View X = view(step->in[0], r0);
         const int64_t C = values_[step->in[0]].cols;
         const T* x = reinterpret_cast<const T*>(X.data);
-        std::vector<T>& acc = sums[i];
-        const bool first = acc.empty();
-        if (first) acc.assign(std::size_t(C), T(0));
-        if (!ops::small_mm_raw(ones.data(), rows, 1, x, X.s0, X.s1, acc.data(), C, 1, rows, C, !first))
+        // Each tile's sum in T, the tiles' sums added in double: a bias gradient can be
+        // a small difference of large sums (a critic's mean(D(fake)) - mean(D(real))),
+        // and one float accumulator over all rows lost 4x libtorch's accuracy there
+        // (at::sum sums in a cascade). C adds per tile, unlike a product's K x M.
+        part.assign(std::size_t(C), T(0));
+        if (!ops::small_mm_raw(ones.data(), rows, 1, x, X.s0, X.s1, part.data(), C, 1, rows, C, false))
           for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = 0; c < C; ++c) acc[std::size_t(c)] += x[r * X.s0 + c * X.s1];
+            for (int64_t c = 0; c < C; ++c) part[std::size_t(c)] += x[r * X.s0 + c * X.s1];
+        std::vector<double>& acc = column_sums[i];
+        if (acc.empty()) acc.assign(std::size_t(C), 0.0);
+        for (int64_t c = 0; c < C; ++c) acc[std::size_t(c)] += double(part[std::size_t(c)]);
       },
       [&](const tiling::ColumnCopyStep& copy) {
         const View O = view(step->out[0], r0);
@@ -549,10 +558,14 @@ class TiledRegionRunner {
     }
     if (refused) return run_untiled(inputs);
     for (std::size_t i = 0; i < steps_.size(); ++i) {
-      if (sums[i].empty()) continue;
+      if (sums[i].empty() && column_sums[i].empty()) continue;
       const Value& o = values_[steps_[i].out[0]];
       at::Tensor& dst = o.storage == Storage::Output ? outputs[std::size_t(o.index)] : reductions[std::size_t(o.index)];
-      std::memcpy(dst.data_ptr<T>(), sums[i].data(), sums[i].size() * sizeof(T));
+      T* p = dst.data_ptr<T>();
+      if (!sums[i].empty())
+        std::memcpy(p, sums[i].data(), sums[i].size() * sizeof(T));
+      else
+        for (std::size_t k = 0; k < column_sums[i].size(); ++k) p[k] = static_cast<T>(column_sums[i][k]);
     }
     return variable_list(outputs.begin(), outputs.end());
   }
