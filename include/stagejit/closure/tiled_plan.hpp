@@ -28,10 +28,15 @@
 /// leading size of the stage's 2-D values, at least `min_rows` and 2, among those of 256
 /// rows and more when there are any) and the value types the trace recorded:
 /// - a row value is 2-D with N rows, of the region's dtype (float or double), on the CPU;
-///   an invariant value is any other tensor (weights, biases) not made by a row node;
-/// - FusionGroup: row outputs [N, C] (one C), inputs row or broadcastable invariants;
-/// - mm(row [N, K], invariant [K, M]) and addmm(invariant bias, row, invariant) with
-///   beta = alpha = 1 and K, M <= 64: row;
+///   an invariant value is any other tensor (weights, biases) not made by a row node.
+///   Operands are read as their products read them, whatever their shape (when N equals
+///   a width, a weight has the shape of a row): a product's right operand is invariant,
+///   the left operand t(X) of a reduction is read by columns, and a [C] or [1, C]
+///   broadcast is invariant;
+/// - FusionGroup: row outputs [N, C] (one C; Bool masks among them, which only leave the
+///   region), inputs row or broadcastable invariants;
+/// - mm (or matmul of two matrices) (row [N, K], invariant [K, M]) and addmm(invariant
+///   bias, row, invariant) with beta = alpha = 1 and K, M <= 64: row;
 /// - t(row) read only as the first operand of mm(t(row), row): a reduction [K, M];
 /// - sum_to_size(row [N, C], [1, C] or [C]): a reduction;
 /// - another elementwise op on row and invariant inputs: row (run per tile as a

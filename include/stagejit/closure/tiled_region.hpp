@@ -348,10 +348,9 @@ class TiledRegionRunner {
     // Every output and reduction result is allocated once, whole; row outputs are
     // filled tile by tile, reductions at the end.
     std::vector<at::Tensor> outputs(region_.outputs.size());
-    for (std::size_t j = 0; j < outputs.size(); ++j)
-    {
+    for (std::size_t j = 0; j < outputs.size(); ++j) {
       const Value& val = values_[index_of_.at(region_.outputs[j])];
-      outputs[j] = at::empty(val.sizes, options.dtype(val.dtype));
+      outputs[j] = at::empty(val.sizes, options.dtype(val.dtype));  // a Bool mask among them
     }
     std::vector<at::Tensor> reductions(reductions_);
     std::vector<at::Tensor> slots;
