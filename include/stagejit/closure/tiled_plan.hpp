@@ -33,8 +33,7 @@
 ///   a width, a weight has the shape of a row): a product's right operand is invariant,
 ///   the left operand t(X) of a reduction is read by columns, and a [C] or [1, C]
 ///   broadcast is invariant;
-/// - FusionGroup: row outputs [N, C] (one C; Bool masks among them, which only leave the
-///   region), inputs row or broadcastable invariants;
+/// - FusionGroup: row outputs [N, C] (one C), inputs row or broadcastable invariants;
 /// - mm (or matmul of two matrices) (row [N, K], invariant [K, M]) and addmm(invariant
 ///   bias, row, invariant) with beta = alpha = 1 and K, M <= 64: row;
 /// - t(row) read only as the first operand of mm(t(row), row): a reduction [K, M];
@@ -198,12 +197,8 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
   }
   // The layout a region node reads `v` with.
   auto layout_of = [&](const ir::Value* v) -> RowLayout {
-    if (auto it = layout.find(v); it != layout.end()) {
-      // A fusion group's Bool mask (saved for a later stage) leaves the region; no region
-      // node reads it.
-      if (it->second == RowLayout::Row && v->tensor_type()->dtype != *dtype) return RowLayout::Bad;
+    if (auto it = layout.find(v); it != layout.end())
       return it->second == RowLayout::Reduction ? RowLayout::Invariant : it->second;  // complete once its region ran
-    }
     const ir::TensorType* t = tensor_of(v);
     if (!t || v->node()->is<ir::Undefined>() || !t->device.is_cpu()) return RowLayout::Bad;
     if (whole_operands.count(v)) return RowLayout::Invariant;
@@ -246,12 +241,11 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
       // 16-dimensional Laplacian's backward has one) runs whole, outside the region.
       if (n->inputs().size() + n->outputs().size() > tiling::kMaxTiledKernelArgs) return RowLayout::Bad;
       const int64_t C = out->sizes.size() == 2 ? out->sizes[1] : -1;
+      // (A group that also writes a Bool mask, as softplus's backward does, stays outside:
+      // admitted as a region output, it made forces_softplus 4-7 % slower, 2026-12-06.)
       for (ir::Value* o : n->outputs()) {
-        // Rows of the region's dtype, or a Bool mask (a comparison saved for a later stage,
-        // as softplus's derivatives have): its rows are written tile by tile like any other.
         const ir::TensorType* t = tensor_of(o);
-        const bool mask = t && t->dtype == at::kBool && t->sizes.size() == 2 && t->sizes[0] == N && t->device.is_cpu();
-        if ((!is_row_type(t) && !mask) || t->sizes[1] != C || !t->is_contiguous()) return RowLayout::Bad;
+        if (!is_row_type(t) || t->sizes[1] != C || !t->is_contiguous()) return RowLayout::Bad;
       }
       for (std::size_t i = 0; i < in.size(); ++i) {
         if (in[i] == RowLayout::RowT || in[i] == RowLayout::Col) return RowLayout::Bad;

@@ -309,7 +309,7 @@ class TiledRegionRunner {
     int64_t cols = 0;
     std::vector<int64_t> sizes;
     at::ScalarType dtype = at::kFloat;
-    int64_t elem = 0;  // bytes per element (a fusion group's Bool mask among float rows)
+    int64_t elem = 0;  // bytes per element
   };
   struct Step {
     ir::Node* node = nullptr;
@@ -350,7 +350,7 @@ class TiledRegionRunner {
     std::vector<at::Tensor> outputs(region_.outputs.size());
     for (std::size_t j = 0; j < outputs.size(); ++j) {
       const Value& val = values_[index_of_.at(region_.outputs[j])];
-      outputs[j] = at::empty(val.sizes, options.dtype(val.dtype));  // a Bool mask among them
+      outputs[j] = at::empty(val.sizes, options.dtype(val.dtype));
     }
     std::vector<at::Tensor> reductions(reductions_);
     std::vector<at::Tensor> slots;
