@@ -37,6 +37,7 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -411,6 +412,14 @@ class TiledRegionRunner {
       return static_cast<const char*>(blocks.back().data_ptr());
     };
     std::vector<FusedCall> fused(steps_.size());
+    FusedArgs fused_args;
+    {
+      std::size_t n = 0;
+      for (std::size_t i = 0; i < steps_.size(); ++i)
+        if (tiling::fused_form(steps_[i].kind) && kernels[i]) n += steps_[i].in.size() + steps_[i].out.size();
+      fused_args.args.reserve(n);
+      fused_args.at_row0.reserve(n);
+    }
     for (std::size_t i = 0; i < steps_.size(); ++i) {
       const Step& st = steps_[i];
       if (tiling::fused_form(st.kind) && kernels[i]) {
@@ -422,7 +431,7 @@ class TiledRegionRunner {
           const bool broadcast_rows = !val.row || (base[st.in[k]].s0 == 0 && val.cols == f->cols);
           if (broadcast_rows) dense_in[i][k] = block_of(in[std::size_t(val.index)], f->cols);
         }
-        fused[i] = plan_fused_call<T>(st, *f, *kernels[i], base, dense_in[i]);
+        fused[i] = plan_fused_call(st, *f, *kernels[i], base, dense_in[i], fused_args);
       } else if (auto* mm = std::get_if<tiling::RowMmStep>(&st.kind); mm && mm->has_bias) {
         bias_block[i] = block_of(tensor_of(st.in[0]).reshape({1, -1}), contiguous_b[st.in[2]].size(1));
       }
@@ -448,7 +457,7 @@ class TiledRegionRunner {
     auto visitor = Overloaded{
       [&](const std::monostate&) {},
       [&](const tiling::FusedStep&) {
-        run_fused_tile(fused[i], rows, r0);
+        run_fused_tile(fused[i], fused_args, rows, r0);
       },
       [&](const tiling::RowMmStep& mm) {
         const std::size_t a = step->in[mm.has_bias ? 1 : 0], b = step->in[mm.has_bias ? 2 : 1];
@@ -530,7 +539,7 @@ class TiledRegionRunner {
       },
       [&](const tiling::RowOpStep& op) {
         if (kernels[i]) {
-          run_fused_tile(fused[i], rows, r0);
+          run_fused_tile(fused[i], fused_args, rows, r0);
           return;
         }
         std::vector<at::Tensor> args;
@@ -574,18 +583,25 @@ class TiledRegionRunner {
   struct FusedCall {
     const fusion::CpuKernel* kernel = nullptr;
     int64_t cols = 0;
-    bool flat = false;                    // one merged dimension (every argument dense, or C = 1)
-    std::vector<fusion::TensorArg> args;  // at row 0; the tile's copy is `tile`
-    std::vector<int64_t> row_bytes;       // bytes a tile of r0 rows further moves (0: not a row value)
-    std::vector<fusion::TensorArg> tile;
+    bool flat = false;       // one merged dimension (every argument dense, or C = 1)
+    std::size_t first = 0;   // its arguments: FusedArgs entries [first, first + count)
+    std::size_t count = 0;
+  };
+  // The kernel arguments of every fused step of one call, in two allocations for the call
+  // (a stage of one tile runs each step once: per-step buffers would cost more than the
+  // step's bookkeeping saves). `args` are handed to the kernel; a tile rewrites their data
+  // pointers and row counts, the rest is set once.
+  struct FusedArgs {
+    std::vector<fusion::TensorArg> args;
+    std::vector<std::pair<char*, int64_t>> at_row0;  // data pointer at row 0, bytes per row (0: not a row value)
   };
 
-  // The arguments of fused step `st` (kernel `kernel`, iteration shape [rows, C]) for this
-  // call. `base`: where each value lives; `dense_in[k]`: a dense [tile_rows, C] block that
-  // replaces input k (or null).
-  template <class T>
+  // Appends the arguments of fused step `st` (kernel `kernel`, iteration shape [rows, C])
+  // for this call to `out`. `base`: where each value lives; `dense_in[k]`: a dense
+  // [tile_rows, C] block that replaces input k (or null).
   FusedCall plan_fused_call(const Step& st, const tiling::FusedStep& f, const fusion::CpuKernel& kernel,
-                            const std::vector<View>& base, const std::vector<const char*>& dense_in) const {
+                            const std::vector<View>& base, const std::vector<const char*>& dense_in,
+                            FusedArgs& out) const {
     const int64_t C = f.cols;
     const std::size_t n = st.in.size() + st.out.size();
     STAGEJIT_CHECK(n <= tiling::kMaxTiledKernelArgs, "tiled region: ", f.name, " has more than ",
@@ -593,22 +609,25 @@ class TiledRegionRunner {
     FusedCall call;
     call.kernel = &kernel;
     call.cols = C;
-    call.args.resize(n);
-    call.row_bytes.assign(n, 0);
+    call.first = out.args.size();
+    call.count = n;
+    out.args.resize(call.first + n);
+    out.at_row0.resize(call.first + n, {nullptr, 0});
     bool dense = true;
     for (std::size_t k = 0; k < n; ++k) {
       const std::size_t v = k < st.in.size() ? st.in[k] : st.out[k - st.in.size()];
       const Value& val = values_[v];
-      fusion::TensorArg& a = call.args[k];
+      fusion::TensorArg& a = out.args[call.first + k];
+      auto& [data, row_bytes] = out.at_row0[call.first + k];
       if (k < st.in.size() && dense_in[k]) {
-        a.data = const_cast<char*>(dense_in[k]);
+        data = const_cast<char*>(dense_in[k]);
         a.strides[0] = C;
         a.strides[1] = 1;
         continue;
       }
       const View x = base[v];
-      a.data = x.data;
-      if (val.row && val.storage != Storage::Scratch) call.row_bytes[k] = x.s0 * val.elem;
+      data = x.data;
+      if (val.row && val.storage != Storage::Scratch) row_bytes = x.s0 * val.elem;
       int64_t s0 = x.s0, s1 = x.s1;
       if (!val.row) {  // broadcast invariant: [C], [1, C], [1, 1], [1] or a 0-d tensor
         s0 = 0;
@@ -622,26 +641,27 @@ class TiledRegionRunner {
       dense = dense && s1 == 1 && s0 == C;
     }
     call.flat = dense || C == 1;
-    for (fusion::TensorArg& a : call.args) {
+    for (std::size_t k = 0; k < n; ++k) {
+      fusion::TensorArg& a = out.args[call.first + k];
       if (call.flat)
         a.strides[0] = C == 1 ? a.strides[0] : 1;
       else
         a.sizes[1] = C;
     }
-    call.tile = call.args;
     return call;
   }
 
   // One fused kernel on rows [r0, r0 + rows): the iteration shape [rows, C], merged to
   // one dimension when every argument is dense.
-  static void run_fused_tile(FusedCall& call, int64_t rows, int64_t r0) {
+  static void run_fused_tile(const FusedCall& call, FusedArgs& fa, int64_t rows, int64_t r0) {
     const int64_t C = call.cols;
-    for (std::size_t k = 0; k < call.args.size(); ++k) {
-      fusion::TensorArg& a = call.tile[k];
-      a.data = static_cast<char*>(call.args[k].data) + r0 * call.row_bytes[k];
-      a.sizes[0] = call.flat ? rows * C : rows;
+    fusion::TensorArg* args = fa.args.data() + call.first;
+    for (std::size_t k = 0; k < call.count; ++k) {
+      const auto [data, row_bytes] = fa.at_row0[call.first + k];
+      args[k].data = data + r0 * row_bytes;
+      args[k].sizes[0] = call.flat ? rows * C : rows;
     }
-    call.kernel->entry_fn()(0, rows * C, call.flat ? 1 : 2, call.tile.data());
+    call.kernel->entry_fn()(0, rows * C, call.flat ? 1 : 2, args);
   }
 
   // The CPU kernel of every fused step (null entries for other steps), planned on the
