@@ -13,7 +13,7 @@
 // in float and double, in one process. One ATen thread. Per workload and dtype: the first
 // round's losses and gradients against libtorch's (max relative difference), then the
 // median over R rounds after W warm-up rounds, each round running every mode for B steps
-// in a row (--block, default 4) with the order rotating by one every round: a mode's
+// in a row (--block, default 4), the order of the modes shuffled every round: a mode's
 // ms/step is the median of its steady steps (2..B of each block); the first step of each
 // block, right after another mode's, is printed apart (Note [Steps in blocks]). An untimed profiled round per mode counts the
 // matrix products (outermost aten::mm/addmm/bmm/matmul and stagejit::small_mm, with
@@ -43,6 +43,8 @@
 #include <iostream>
 
 #include <algorithm>
+#include <array>
+#include <random>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -150,15 +152,21 @@ bool run_workload(ho::Workload& w, bool small, int rounds, int warmup, int block
   // another mode (the bench before 2026-12-06).
   const auto st0 = sj::fusion::default_cpu_backend().stats();
   std::vector<double> times[kModes], first_of_block[kModes];
-  for (int r = 0; r < warmup + rounds; ++r)
-    for (std::size_t k = 0; k < kModes; ++k) {
-      const std::size_t m = (k + std::size_t(r)) % kModes;
+  // The order of the modes is shuffled every round (a fixed seed): rotating one order
+  // would have each mode always follow the same other mode (staged always after libtorch).
+  std::array<std::size_t, kModes> order;
+  for (std::size_t m = 0; m < kModes; ++m) order[m] = m;
+  std::mt19937 shuffler(2026);
+  for (int r = 0; r < warmup + rounds; ++r) {
+    std::shuffle(order.begin(), order.end(), shuffler);
+    for (const std::size_t m : order) {
       for (int b = 0; b < block; ++b) {
         const double ms = sj::bench::once_ms([&] { (void)w.step(ho::kModes[m]); });
         if (r < warmup) continue;
         (b == 0 ? first_of_block[m] : times[m]).push_back(ms);
       }
     }
+  }
   if (block == 1)
     for (std::size_t m = 0; m < kModes; ++m) times[m] = first_of_block[m];
   {
