@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-NAMES = ["burgers", "burgers_residual", "kdv", "forces_silu", "forces_softplus",
+NAMES = ["burgers", "burgers_residual", "kdv", "poisson", "forces_silu", "forces_softplus",
          "critic128", "critic512", "hvp", "maml"]
 
 BURGERS_NU = 0.01 / math.pi
@@ -110,6 +110,15 @@ def make_spec(name, dtype, small):
         s = Spec(name, dt, small, 4, "tanh", mlp_layers(2, 8 if small else 32, 4, 1))
         n, nb = (64, 8) if small else (4000, 100)
         s.add_listed([n, 2], True)
+        s.add_listed([nb, 2])
+        s.add_listed([nb, 1])
+        s.sizes = "%d + %d" % (n, nb)
+        return s
+    if name == "poisson":
+        s = Spec(name, dt, small, 3, "tanh", mlp_layers(2, 8 if small else 50, 3, 1))
+        n, nb = (64, 8) if small else (4000, 400)
+        s.add_listed([n, 2], True)
+        s.add_listed([n, 1])
         s.add_listed([nb, 2])
         s.add_listed([nb, 1])
         s.sizes = "%d + %d" % (n, nb)
@@ -245,6 +254,17 @@ def torch_loss_fn(spec):
                             lambda: sum_grad(u_xx, x).narrow(1, 1, 1),
                             lambda: net(d[1], w) - d[2], torch.mean)
         return loss
+    if name == "poisson":
+        def loss(w, d):
+            x = d[0]
+            u = net(x, w)
+            du = sum_grad(u, x)
+            u_xx = sum_grad(du.narrow(1, 0, 1), x).narrow(1, 0, 1)
+            u_yy = sum_grad(du.narrow(1, 1, 1), x).narrow(1, 1, 1)
+            r = u_xx + u_yy + d[1]
+            e = net(d[2], w) - d[3]
+            return (r * r).mean() + (e * e).mean()
+        return loss
     if name in ("forces_silu", "forces_softplus"):
         def loss(w, d):
             e = net(d[0], w)
@@ -343,6 +363,17 @@ def jax_step_fn(spec):
             return pde_loss(name, u, u_t, u_x, lambda: u_xx_fn(x),
                             lambda: sum_grad(u_xx_fn, x)[:, 1:2],
                             lambda: net(d[1], w) - d[2], jnp.mean)
+        return jax.jit(jax.value_and_grad(loss))
+    if name == "poisson":
+        def loss(w, d):
+            x = d[0]
+            u_fn = lambda z: net(z, w)
+            du_fn = lambda z: sum_grad(u_fn, z)
+            u_xx = sum_grad(lambda z: du_fn(z)[:, 0:1], x)[:, 0:1]
+            u_yy = sum_grad(lambda z: du_fn(z)[:, 1:2], x)[:, 1:2]
+            r = u_xx + u_yy + d[1]
+            e = net(d[2], w) - d[3]
+            return jnp.mean(r * r) + jnp.mean(e * e)
         return jax.jit(jax.value_and_grad(loss))
     if name in ("forces_silu", "forces_softplus"):
         def loss(w, d):

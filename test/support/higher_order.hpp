@@ -1,6 +1,7 @@
 #pragma once
 // The higher-order workloads of bench/workloads.md (issue 32): the Burgers PINN with and
-// without its boundary term, a KdV residual (third input derivative), energy/force
+// without its boundary term, a KdV residual (third input derivative), a 2-D Poisson PINN
+// (a Laplacian from one grad call per column), energy/force
 // matching (SiLU, softplus), WGAN-GP critics (leaky ReLU, widths 128 and 512), a
 // Hessian-vector product of an MLP classifier's loss, and a MAML inner step
 // differentiated through. Each builds its tensors from the specification's deterministic
@@ -22,7 +23,7 @@
 //   is t = n_w + 2;
 // - a bias has shape [fan_out];
 // - the small sizes shrink the widths only where the table says so (burgers, kdv,
-//   forces_silu, critic*, hvp); burgers_residual, forces_softplus and maml keep theirs;
+//   poisson, forces_silu, critic*, hvp); burgers_residual, forces_softplus and maml keep theirs;
 // - burgers_residual lists only X (t = n_w);
 // - the critic's x_hat = e * real + (1 - e) * fake is formed once when the tensors are
 //   built (ATen, in the dtype) and is a leaf requiring grad in every mode; the penalty's
@@ -392,6 +393,43 @@ class Kdv : public WorkloadOf<Kdv> {
   int64_t n_, n_b_;
 };
 
+/// poisson: the 2-D Poisson PINN, -(u_xx + u_yy) = s, with the Laplacian from one
+/// grad call per input column (two calls of the net's second stage on one first-stage
+/// result, as users write it); mean((u_xx + u_yy + s)^2) + mean((u_b - g_b)^2).
+/// Data: X [N, 2] (grad), s [N, 1], X_b [N_b, 2], g_b [N_b, 1].
+class Poisson : public WorkloadOf<Poisson> {
+ public:
+  Poisson(at::ScalarType dtype, bool small)
+      : WorkloadOf("poisson", dtype, 3, Activation::Tanh, mlp_layers(2, small ? 8 : 50, 3, 1)),
+        n_(small ? 64 : 4000), n_b_(small ? 8 : 400) {
+    add_data(formula({n_, 2}, 1, next_t(), dtype), true);
+    count_listed();
+    add_data(formula({n_, 1}, 1, next_t(), dtype));
+    count_listed();
+    add_data(formula({n_b_, 2}, 1, next_t(), dtype));
+    count_listed();
+    add_data(formula({n_b_, 1}, 1, next_t(), dtype));
+    count_listed();
+  }
+  std::string describe() const override {
+    return layers_string() + ", N " + std::to_string(n_) + " + " + std::to_string(n_b_);
+  }
+  template <class V, class Net>
+  V loss(const Net& net, const std::vector<V>& w, const std::vector<V>& d) const {
+    const V& x = d[0];
+    const V u = net(x, w);
+    const V du = sum_grad(u, x);
+    const V u_xx = narrow(sum_grad(narrow(du, 1, 0, 1), x), 1, 0, 1);
+    const V u_yy = narrow(sum_grad(narrow(du, 1, 1, 1), x), 1, 1, 1);
+    const V r = u_xx + u_yy + d[1];
+    const V e = net(d[2], w) - d[3];
+    return mean(r * r) + mean(e * e);
+  }
+
+ private:
+  int64_t n_, n_b_;
+};
+
 /// forces_silu, forces_softplus: E = net(x), F = -dE/dx; mean((E - E_ref)^2) + mean((F -
 /// F_ref)^2). Data: x [N, 12] (grad), E_ref [N, 1], F_ref [N, 12].
 class Forces : public WorkloadOf<Forces> {
@@ -519,7 +557,7 @@ class Maml : public WorkloadOf<Maml> {
 };
 
 inline std::vector<std::string> workload_names() {
-  return {"burgers", "burgers_residual", "kdv", "forces_silu", "forces_softplus",
+  return {"burgers", "burgers_residual", "kdv", "poisson", "forces_silu", "forces_softplus",
           "critic128", "critic512", "hvp", "maml"};
 }
 
@@ -529,6 +567,7 @@ inline std::unique_ptr<Workload> make_workload(const std::string& name, at::Scal
   if (name == "burgers") return std::make_unique<Burgers>(dtype, small, true);
   if (name == "burgers_residual") return std::make_unique<Burgers>(dtype, small, false);
   if (name == "kdv") return std::make_unique<Kdv>(dtype, small);
+  if (name == "poisson") return std::make_unique<Poisson>(dtype, small);
   if (name == "forces_silu") return std::make_unique<Forces>(dtype, small, false);
   if (name == "forces_softplus") return std::make_unique<Forces>(dtype, small, true);
   if (name == "critic128") return std::make_unique<Critic>(dtype, small, 128);

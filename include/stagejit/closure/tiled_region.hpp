@@ -339,244 +339,10 @@ class TiledRegionRunner {
     int64_t s0 = 0, s1 = 0;  // element strides
   };
 
+  // Runs the tiles at element type T (float or double); defined after the class, and
+  // instantiated once in the compiled library (extern template below).
   template <class T>
-  variable_list run_tiled(const std::vector<at::Tensor>& in, const variable_list& inputs) const {
-    const int64_t N = region_.rows;
-    const auto options = at::TensorOptions().dtype(region_.dtype).device(at::kCPU);
-    // Once per call: the outputs and the scratch buffers.
-    std::vector<at::Tensor> contiguous_b(values_.size());  // dense-row copies of product operands
-    auto tensor_of = [&](std::size_t v) -> const at::Tensor& { return in[std::size_t(values_[v].index)]; };
-    // Every output and reduction result is allocated once, whole; row outputs are
-    // filled tile by tile, reductions at the end.
-    std::vector<at::Tensor> outputs(region_.outputs.size());
-    for (std::size_t j = 0; j < outputs.size(); ++j) {
-      const Value& val = values_[index_of_.at(region_.outputs[j])];
-      outputs[j] = at::empty(val.sizes, options.dtype(val.dtype));
-    }
-    std::vector<at::Tensor> reductions(reductions_);
-    std::vector<at::Tensor> slots;
-    slots.reserve(slot_cols_.size());
-    for (int64_t c : slot_cols_) slots.push_back(at::empty({tile_, c}, options));
-    auto full_of = [&](std::size_t v) -> at::Tensor {
-      const Value& val = values_[v];
-      switch (val.storage) {
-        case Storage::Input: return tensor_of(v);
-        case Storage::Output: return outputs[std::size_t(val.index)];
-        case Storage::Reduction: return reductions[std::size_t(val.index)];
-        default: return {};
-      }
-    };
-    for (std::size_t i = 0; i < steps_.size(); ++i) {
-      const Step& st = steps_[i];
-      if (std::holds_alternative<tiling::ReduceMmStep>(st.kind) || std::holds_alternative<tiling::ColSumStep>(st.kind)) {
-        const Value& o = values_[st.out[0]];
-        if (o.storage == Storage::Reduction) reductions[std::size_t(o.index)] = at::empty(o.sizes, options);
-      }
-      if (auto* mm = std::get_if<tiling::RowMmStep>(&st.kind)) {
-        const at::Tensor& b = tensor_of(st.in[mm->has_bias ? 2 : 1]);
-        contiguous_b[st.in[mm->has_bias ? 2 : 1]] = b.stride(1) == 1 ? b : b.contiguous();
-      }
-    }
-    // Kernels of the fused steps, planned once per region.
-    const std::vector<std::shared_ptr<const fusion::CpuKernel>>& kernels = kernels_for(in);
-    if (kernels.empty()) return run_untiled(inputs);
-
-    // Where each value lives in this call; a row value's tile starts r0 rows further.
-    std::vector<View> base(values_.size());
-    for (std::size_t v = 0; v < values_.size(); ++v) {
-      const Value& val = values_[v];
-      if (val.storage == Storage::Scratch) {
-        base[v] = {static_cast<char*>(slots[std::size_t(val.index)].data_ptr()), val.cols, 1};
-        continue;
-      }
-      if (val.storage != Storage::Input && val.storage != Storage::Output) continue;
-      const at::Tensor t = full_of(v);
-      base[v] = {static_cast<char*>(t.data_ptr()), t.dim() > 1 ? t.stride(0) : 0, t.dim() > 0 ? t.stride(-1) : 0};
-    }
-    auto view = [&](std::size_t v, int64_t r0) -> View {
-      const Value& val = values_[v];
-      View b = base[v];
-      if (val.row && val.storage != Storage::Scratch) b.data += r0 * b.s0 * val.elem;
-      return b;
-    };
-    // Kernel inputs that every tile sees alike (a broadcast bias, a row of an expand with
-    // stride 0) become one dense [tile_rows, C] block per call, so that every argument of
-    // such a kernel is dense and it runs as one long vector loop instead of row by row.
-    std::vector<at::Tensor> blocks;
-    std::vector<std::vector<const char*>> dense_in(steps_.size());
-    std::vector<const char*> bias_block(steps_.size(), nullptr);
-    auto block_of = [&](const at::Tensor& t, int64_t C) -> const char* {
-      // Rows alike (stride 0): one of them; else the first tile's rows.
-      at::Tensor b = t.dim() == 2 && t.size(0) != 1 ? t.narrow(0, 0, t.stride(0) == 0 ? 1 : tile_) : t;
-      blocks.push_back(b.expand({tile_, C}).contiguous());
-      return static_cast<const char*>(blocks.back().data_ptr());
-    };
-    std::vector<FusedCall> fused(steps_.size());
-    FusedArgs fused_args;
-    {
-      std::size_t n = 0;
-      for (std::size_t i = 0; i < steps_.size(); ++i)
-        if (tiling::fused_form(steps_[i].kind) && kernels[i]) n += steps_[i].in.size() + steps_[i].out.size();
-      fused_args.args.reserve(n);
-      fused_args.at_row0.reserve(n);
-    }
-    for (std::size_t i = 0; i < steps_.size(); ++i) {
-      const Step& st = steps_[i];
-      if (tiling::fused_form(st.kind) && kernels[i]) {
-        const tiling::FusedStep* f = tiling::fused_form(st.kind);
-        dense_in[i].assign(st.in.size(), nullptr);
-        for (std::size_t k = 0; k < st.in.size(); ++k) {
-          const Value& val = values_[st.in[k]];
-          if (val.storage != Storage::Input) continue;
-          const bool broadcast_rows = !val.row || (base[st.in[k]].s0 == 0 && val.cols == f->cols);
-          if (broadcast_rows) dense_in[i][k] = block_of(in[std::size_t(val.index)], f->cols);
-        }
-        fused[i] = plan_fused_call(st, *f, *kernels[i], base, dense_in[i], fused_args);
-      } else if (auto* mm = std::get_if<tiling::RowMmStep>(&st.kind); mm && mm->has_bias) {
-        bias_block[i] = block_of(tensor_of(st.in[0]).reshape({1, -1}), contiguous_b[st.in[2]].size(1));
-      }
-    }
-    const std::vector<T> ones(std::size_t(tile_), T(1));  // column sums as products
-    // Reduction products: the first tile's product is written to the step's buffer and every
-    // later tile's product is added to it by the GEMM (beta = 1), so the sum over the rows
-    // accumulates in T as one product over all N rows would (libtorch's own reduction).
-    std::vector<std::vector<T>> sums(steps_.size());
-    // Column sums: each tile's in T (`part`), added over the tiles in double.
-    std::vector<T> part;
-    std::vector<std::vector<double>> column_sums(steps_.size());
-    // A product LIBXSMM refuses (strides of this call's inputs it cannot read) sends the
-    // whole call down the untiled path: nothing the region wrote is visible yet.
-    bool refused = false;
-    // The step visitor is built once per call: its lambdas read the loop's position
-    // (tile r0 of `rows` rows, step i) through references. Built inside the loops, the
-    // visitor (a few hundred bytes of captured references) was zeroed and filled again
-    // for every step of every tile (3 % of a KdV step, perf).
-    int64_t r0 = 0, rows = 0;
-    std::size_t i = 0;
-    const Step* step = nullptr;
-    auto visitor = Overloaded{
-      [&](const std::monostate&) {},
-      [&](const tiling::FusedStep&) {
-        run_fused_tile(fused[i], fused_args, rows, r0);
-      },
-      [&](const tiling::RowMmStep& mm) {
-        const std::size_t a = step->in[mm.has_bias ? 1 : 0], b = step->in[mm.has_bias ? 2 : 1];
-        const View A = view(a, r0), O = view(step->out[0], r0);
-        const at::Tensor& B = contiguous_b[b];
-        const int64_t K = B.size(0), M = B.size(1);
-        T* out = reinterpret_cast<T*>(O.data);
-        if (mm.has_bias) {  // out = bias, then out += A @ B
-          const char* bias = bias_block[i];
-          if (O.s0 == M)
-            std::memcpy(out, bias, std::size_t(rows * M) * sizeof(T));
-          else
-            for (int64_t r = 0; r < rows; ++r)
-              std::memcpy(out + r * O.s0, bias + r * M * int64_t(sizeof(T)), std::size_t(M) * sizeof(T));
-        }
-        refused = refused || !ops::small_mm_raw(reinterpret_cast<const T*>(A.data), A.s0, A.s1,
-                                                B.data_ptr<T>(), B.stride(0), B.stride(1), out, O.s0,
-                                                rows, K, M, mm.has_bias);
-      },
-      [&](const tiling::ReduceMmStep&) {
-        // out [K, M] += X[rows, K]^T @ Y[rows, M]
-        // The first operand: t(X) of a region value X, or a [K, N] tensor
-        // from outside read by columns.
-        const Value& xv = values_[step->in[0]];
-        const T* xp = nullptr;
-        int64_t a_s0 = 0, a_s1 = 0;
-        if (xv.storage == Storage::Alias) {
-          const View X = view(std::size_t(xv.index), r0);
-          xp = reinterpret_cast<const T*>(X.data);
-          a_s0 = X.s1;
-          a_s1 = X.s0;
-        } else {  // [K, N] by columns: base strides (stride(0), stride(1))
-          const View c = base[step->in[0]];
-          xp = reinterpret_cast<const T*>(c.data) + r0 * c.s1;
-          a_s0 = c.s0;
-          a_s1 = c.s1;
-        }
-        const View Y = view(step->in[1], r0);
-        const Value& o = values_[step->out[0]];
-        const int64_t K = o.sizes[0], M = o.sizes[1];
-        std::vector<T>& acc = sums[i];
-        const bool first = acc.empty();
-        if (first) acc.resize(std::size_t(K * M));
-        refused = refused || !ops::small_mm_raw(xp, a_s0, a_s1, reinterpret_cast<const T*>(Y.data),
-                                                Y.s0, Y.s1, acc.data(), M, K, rows, M, !first);
-      },
-      [&](const tiling::ColSumStep&) {
-        // out[1, C] += ones[1, rows] @ X[rows, C]: a reduction product.
-        const View X = view(step->in[0], r0);
-        const int64_t C = values_[step->in[0]].cols;
-        const T* x = reinterpret_cast<const T*>(X.data);
-        // Each tile's sum in T, the tiles' sums added in double: a bias gradient can be
-        // a small difference of large sums (a critic's mean(D(fake)) - mean(D(real))),
-        // and one float accumulator over all rows lost 4x libtorch's accuracy there
-        // (at::sum sums in a cascade). C adds per tile, unlike a product's K x M.
-        part.assign(std::size_t(C), T(0));
-        if (!ops::small_mm_raw(ones.data(), rows, 1, x, X.s0, X.s1, part.data(), C, 1, rows, C, false))
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = 0; c < C; ++c) part[std::size_t(c)] += x[r * X.s0 + c * X.s1];
-        std::vector<double>& acc = column_sums[i];
-        if (acc.empty()) acc.assign(std::size_t(C), 0.0);
-        for (int64_t c = 0; c < C; ++c) acc[std::size_t(c)] += double(part[std::size_t(c)]);
-      },
-      [&](const tiling::ColumnCopyStep& copy) {
-        const View O = view(step->out[0], r0);
-        T* out = reinterpret_cast<T*>(O.data);
-        for (const auto& p : copy.pieces) {
-          const View I = view(step->in[p.input], r0);
-          const T* x = reinterpret_cast<const T*>(I.data) + p.src_col * I.s1;
-          T* y = out + p.dst_col * O.s1;
-          if (I.s1 == 1 && O.s1 == 1) {
-            for (int64_t r = 0; r < rows; ++r)
-              std::memcpy(y + r * O.s0, x + r * I.s0, std::size_t(p.cols) * sizeof(T));
-          } else {
-            for (int64_t r = 0; r < rows; ++r)
-              for (int64_t c = 0; c < p.cols; ++c) y[r * O.s0 + c * O.s1] = x[r * I.s0 + c * I.s1];
-          }
-        }
-      },
-      [&](const tiling::RowOpStep& op) {
-        if (kernels[i]) {
-          run_fused_tile(fused[i], fused_args, rows, r0);
-          return;
-        }
-        std::vector<at::Tensor> args;
-        for (std::size_t v : step->in) {
-          const Value& val = values_[v];
-          if (!val.row) {
-            args.push_back(full_of(v));
-            continue;
-          }
-          const View x = view(v, r0);
-          args.push_back(at::from_blob(x.data, {rows, val.cols}, {x.s0, x.s1}, options));
-        }
-        at::Tensor r = ops::run_forward(*op.op, args, op.attrs).at(0);
-        const View O = view(step->out[0], r0);
-        at::from_blob(O.data, {rows, values_[step->out[0]].cols}, {O.s0, O.s1}, options).copy_(r);
-      },
-    };
-    for (r0 = 0; r0 < N && !refused; r0 += tile_) {
-      rows = std::min(tile_, N - r0);
-      for (i = 0; i < steps_.size() && !refused; ++i) {
-        step = &steps_[i];
-        std::visit(visitor, step->kind);
-      }
-    }
-    if (refused) return run_untiled(inputs);
-    for (std::size_t i = 0; i < steps_.size(); ++i) {
-      if (sums[i].empty() && column_sums[i].empty()) continue;
-      const Value& o = values_[steps_[i].out[0]];
-      at::Tensor& dst = o.storage == Storage::Output ? outputs[std::size_t(o.index)] : reductions[std::size_t(o.index)];
-      T* p = dst.data_ptr<T>();
-      if (!sums[i].empty())
-        std::memcpy(p, sums[i].data(), sums[i].size() * sizeof(T));
-      else
-        for (std::size_t k = 0; k < column_sums[i].size(); ++k) p[k] = static_cast<T>(column_sums[i][k]);
-    }
-    return variable_list(outputs.begin(), outputs.end());
-  }
+  variable_list run_tiled(const std::vector<at::Tensor>& in, const variable_list& inputs) const;
 
   // One fused step's kernel arguments in this call, laid out once before the tile loop:
   // each tile only moves the data pointers and sets the row count.
@@ -731,5 +497,253 @@ class TiledRegionRunner {
   mutable bool kernels_planned_ = false;
   mutable std::vector<std::shared_ptr<const fusion::CpuKernel>> kernels_;
 };
+
+template <class T>
+variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, const variable_list& inputs) const {
+  const int64_t N = region_.rows;
+  const auto options = at::TensorOptions().dtype(region_.dtype).device(at::kCPU);
+  // Once per call: the outputs and the scratch buffers.
+  std::vector<at::Tensor> contiguous_b(values_.size());  // dense-row copies of product operands
+  auto tensor_of = [&](std::size_t v) -> const at::Tensor& { return in[std::size_t(values_[v].index)]; };
+  // Every output and reduction result is allocated once, whole; row outputs are
+  // filled tile by tile, reductions at the end.
+  std::vector<at::Tensor> outputs(region_.outputs.size());
+  for (std::size_t j = 0; j < outputs.size(); ++j) {
+    const Value& val = values_[index_of_.at(region_.outputs[j])];
+    outputs[j] = at::empty(val.sizes, options.dtype(val.dtype));
+  }
+  std::vector<at::Tensor> reductions(reductions_);
+  std::vector<at::Tensor> slots;
+  slots.reserve(slot_cols_.size());
+  for (int64_t c : slot_cols_) slots.push_back(at::empty({tile_, c}, options));
+  auto full_of = [&](std::size_t v) -> at::Tensor {
+    const Value& val = values_[v];
+    switch (val.storage) {
+      case Storage::Input: return tensor_of(v);
+      case Storage::Output: return outputs[std::size_t(val.index)];
+      case Storage::Reduction: return reductions[std::size_t(val.index)];
+      default: return {};
+    }
+  };
+  for (std::size_t i = 0; i < steps_.size(); ++i) {
+    const Step& st = steps_[i];
+    if (std::holds_alternative<tiling::ReduceMmStep>(st.kind) || std::holds_alternative<tiling::ColSumStep>(st.kind)) {
+      const Value& o = values_[st.out[0]];
+      if (o.storage == Storage::Reduction) reductions[std::size_t(o.index)] = at::empty(o.sizes, options);
+    }
+    if (auto* mm = std::get_if<tiling::RowMmStep>(&st.kind)) {
+      const at::Tensor& b = tensor_of(st.in[mm->has_bias ? 2 : 1]);
+      contiguous_b[st.in[mm->has_bias ? 2 : 1]] = b.stride(1) == 1 ? b : b.contiguous();
+    }
+  }
+  // Kernels of the fused steps, planned once per region.
+  const std::vector<std::shared_ptr<const fusion::CpuKernel>>& kernels = kernels_for(in);
+  if (kernels.empty()) return run_untiled(inputs);
+
+  // Where each value lives in this call; a row value's tile starts r0 rows further.
+  std::vector<View> base(values_.size());
+  for (std::size_t v = 0; v < values_.size(); ++v) {
+    const Value& val = values_[v];
+    if (val.storage == Storage::Scratch) {
+      base[v] = {static_cast<char*>(slots[std::size_t(val.index)].data_ptr()), val.cols, 1};
+      continue;
+    }
+    if (val.storage != Storage::Input && val.storage != Storage::Output) continue;
+    const at::Tensor t = full_of(v);
+    base[v] = {static_cast<char*>(t.data_ptr()), t.dim() > 1 ? t.stride(0) : 0, t.dim() > 0 ? t.stride(-1) : 0};
+  }
+  auto view = [&](std::size_t v, int64_t r0) -> View {
+    const Value& val = values_[v];
+    View b = base[v];
+    if (val.row && val.storage != Storage::Scratch) b.data += r0 * b.s0 * val.elem;
+    return b;
+  };
+  // Kernel inputs that every tile sees alike (a broadcast bias, a row of an expand with
+  // stride 0) become one dense [tile_rows, C] block per call, so that every argument of
+  // such a kernel is dense and it runs as one long vector loop instead of row by row.
+  std::vector<at::Tensor> blocks;
+  std::vector<std::vector<const char*>> dense_in(steps_.size());
+  std::vector<const char*> bias_block(steps_.size(), nullptr);
+  auto block_of = [&](const at::Tensor& t, int64_t C) -> const char* {
+    // Rows alike (stride 0): one of them; else the first tile's rows.
+    at::Tensor b = t.dim() == 2 && t.size(0) != 1 ? t.narrow(0, 0, t.stride(0) == 0 ? 1 : tile_) : t;
+    blocks.push_back(b.expand({tile_, C}).contiguous());
+    return static_cast<const char*>(blocks.back().data_ptr());
+  };
+  std::vector<FusedCall> fused(steps_.size());
+  FusedArgs fused_args;
+  {
+    std::size_t n = 0;
+    for (std::size_t i = 0; i < steps_.size(); ++i)
+      if (tiling::fused_form(steps_[i].kind) && kernels[i]) n += steps_[i].in.size() + steps_[i].out.size();
+    fused_args.args.reserve(n);
+    fused_args.at_row0.reserve(n);
+  }
+  for (std::size_t i = 0; i < steps_.size(); ++i) {
+    const Step& st = steps_[i];
+    if (tiling::fused_form(st.kind) && kernels[i]) {
+      const tiling::FusedStep* f = tiling::fused_form(st.kind);
+      dense_in[i].assign(st.in.size(), nullptr);
+      for (std::size_t k = 0; k < st.in.size(); ++k) {
+        const Value& val = values_[st.in[k]];
+        if (val.storage != Storage::Input) continue;
+        const bool broadcast_rows = !val.row || (base[st.in[k]].s0 == 0 && val.cols == f->cols);
+        if (broadcast_rows) dense_in[i][k] = block_of(in[std::size_t(val.index)], f->cols);
+      }
+      fused[i] = plan_fused_call(st, *f, *kernels[i], base, dense_in[i], fused_args);
+    } else if (auto* mm = std::get_if<tiling::RowMmStep>(&st.kind); mm && mm->has_bias) {
+      bias_block[i] = block_of(tensor_of(st.in[0]).reshape({1, -1}), contiguous_b[st.in[2]].size(1));
+    }
+  }
+  const std::vector<T> ones(std::size_t(tile_), T(1));  // column sums as products
+  // Reduction products: the first tile's product is written to the step's buffer and every
+  // later tile's product is added to it by the GEMM (beta = 1), so the sum over the rows
+  // accumulates in T as one product over all N rows would (libtorch's own reduction).
+  std::vector<std::vector<T>> sums(steps_.size());
+  // Column sums: each tile's in T (`part`), added over the tiles in double.
+  std::vector<T> part;
+  std::vector<std::vector<double>> column_sums(steps_.size());
+  // A product LIBXSMM refuses (strides of this call's inputs it cannot read) sends the
+  // whole call down the untiled path: nothing the region wrote is visible yet.
+  bool refused = false;
+  // The step visitor is built once per call: its lambdas read the loop's position
+  // (tile r0 of `rows` rows, step i) through references. Built inside the loops, the
+  // visitor (a few hundred bytes of captured references) was zeroed and filled again
+  // for every step of every tile (3 % of a KdV step, perf).
+  int64_t r0 = 0, rows = 0;
+  std::size_t i = 0;
+  const Step* step = nullptr;
+  auto visitor = Overloaded{
+    [&](const std::monostate&) {},
+    [&](const tiling::FusedStep&) {
+      run_fused_tile(fused[i], fused_args, rows, r0);
+    },
+    [&](const tiling::RowMmStep& mm) {
+      const std::size_t a = step->in[mm.has_bias ? 1 : 0], b = step->in[mm.has_bias ? 2 : 1];
+      const View A = view(a, r0), O = view(step->out[0], r0);
+      const at::Tensor& B = contiguous_b[b];
+      const int64_t K = B.size(0), M = B.size(1);
+      T* out = reinterpret_cast<T*>(O.data);
+      if (mm.has_bias) {  // out = bias, then out += A @ B
+        const char* bias = bias_block[i];
+        if (O.s0 == M)
+          std::memcpy(out, bias, std::size_t(rows * M) * sizeof(T));
+        else
+          for (int64_t r = 0; r < rows; ++r)
+            std::memcpy(out + r * O.s0, bias + r * M * int64_t(sizeof(T)), std::size_t(M) * sizeof(T));
+      }
+      refused = refused || !ops::small_mm_raw(reinterpret_cast<const T*>(A.data), A.s0, A.s1,
+                                              B.data_ptr<T>(), B.stride(0), B.stride(1), out, O.s0,
+                                              rows, K, M, mm.has_bias);
+    },
+    [&](const tiling::ReduceMmStep&) {
+      // out [K, M] += X[rows, K]^T @ Y[rows, M]
+      // The first operand: t(X) of a region value X, or a [K, N] tensor
+      // from outside read by columns.
+      const Value& xv = values_[step->in[0]];
+      const T* xp = nullptr;
+      int64_t a_s0 = 0, a_s1 = 0;
+      if (xv.storage == Storage::Alias) {
+        const View X = view(std::size_t(xv.index), r0);
+        xp = reinterpret_cast<const T*>(X.data);
+        a_s0 = X.s1;
+        a_s1 = X.s0;
+      } else {  // [K, N] by columns: base strides (stride(0), stride(1))
+        const View c = base[step->in[0]];
+        xp = reinterpret_cast<const T*>(c.data) + r0 * c.s1;
+        a_s0 = c.s0;
+        a_s1 = c.s1;
+      }
+      const View Y = view(step->in[1], r0);
+      const Value& o = values_[step->out[0]];
+      const int64_t K = o.sizes[0], M = o.sizes[1];
+      std::vector<T>& acc = sums[i];
+      const bool first = acc.empty();
+      if (first) acc.resize(std::size_t(K * M));
+      refused = refused || !ops::small_mm_raw(xp, a_s0, a_s1, reinterpret_cast<const T*>(Y.data),
+                                              Y.s0, Y.s1, acc.data(), M, K, rows, M, !first);
+    },
+    [&](const tiling::ColSumStep&) {
+      // out[1, C] += ones[1, rows] @ X[rows, C]: a reduction product.
+      const View X = view(step->in[0], r0);
+      const int64_t C = values_[step->in[0]].cols;
+      const T* x = reinterpret_cast<const T*>(X.data);
+      // Each tile's sum in T, the tiles' sums added in double: a bias gradient can be
+      // a small difference of large sums (a critic's mean(D(fake)) - mean(D(real))),
+      // and one float accumulator over all rows lost 4x libtorch's accuracy there
+      // (at::sum sums in a cascade). C adds per tile, unlike a product's K x M.
+      part.assign(std::size_t(C), T(0));
+      if (!ops::small_mm_raw(ones.data(), rows, 1, x, X.s0, X.s1, part.data(), C, 1, rows, C, false))
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < C; ++c) part[std::size_t(c)] += x[r * X.s0 + c * X.s1];
+      std::vector<double>& acc = column_sums[i];
+      if (acc.empty()) acc.assign(std::size_t(C), 0.0);
+      for (int64_t c = 0; c < C; ++c) acc[std::size_t(c)] += double(part[std::size_t(c)]);
+    },
+    [&](const tiling::ColumnCopyStep& copy) {
+      const View O = view(step->out[0], r0);
+      T* out = reinterpret_cast<T*>(O.data);
+      for (const auto& p : copy.pieces) {
+        const View I = view(step->in[p.input], r0);
+        const T* x = reinterpret_cast<const T*>(I.data) + p.src_col * I.s1;
+        T* y = out + p.dst_col * O.s1;
+        if (I.s1 == 1 && O.s1 == 1) {
+          for (int64_t r = 0; r < rows; ++r)
+            std::memcpy(y + r * O.s0, x + r * I.s0, std::size_t(p.cols) * sizeof(T));
+        } else {
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < p.cols; ++c) y[r * O.s0 + c * O.s1] = x[r * I.s0 + c * I.s1];
+        }
+      }
+    },
+    [&](const tiling::RowOpStep& op) {
+      if (kernels[i]) {
+        run_fused_tile(fused[i], fused_args, rows, r0);
+        return;
+      }
+      std::vector<at::Tensor> args;
+      for (std::size_t v : step->in) {
+        const Value& val = values_[v];
+        if (!val.row) {
+          args.push_back(full_of(v));
+          continue;
+        }
+        const View x = view(v, r0);
+        args.push_back(at::from_blob(x.data, {rows, val.cols}, {x.s0, x.s1}, options));
+      }
+      at::Tensor r = ops::run_forward(*op.op, args, op.attrs).at(0);
+      const View O = view(step->out[0], r0);
+      at::from_blob(O.data, {rows, values_[step->out[0]].cols}, {O.s0, O.s1}, options).copy_(r);
+    },
+  };
+  for (r0 = 0; r0 < N && !refused; r0 += tile_) {
+    rows = std::min(tile_, N - r0);
+    for (i = 0; i < steps_.size() && !refused; ++i) {
+      step = &steps_[i];
+      std::visit(visitor, step->kind);
+    }
+  }
+  if (refused) return run_untiled(inputs);
+  for (std::size_t i = 0; i < steps_.size(); ++i) {
+    if (sums[i].empty() && column_sums[i].empty()) continue;
+    const Value& o = values_[steps_[i].out[0]];
+    at::Tensor& dst = o.storage == Storage::Output ? outputs[std::size_t(o.index)] : reductions[std::size_t(o.index)];
+    T* p = dst.data_ptr<T>();
+    if (!sums[i].empty())
+      std::memcpy(p, sums[i].data(), sums[i].size() * sizeof(T));
+    else
+      for (std::size_t k = 0; k < column_sums[i].size(); ++k) p[k] = static_cast<T>(column_sums[i][k]);
+  }
+  return variable_list(outputs.begin(), outputs.end());
+}
+
+#if !defined(STAGEJIT_HEADER_ONLY)
+// The compiled build instantiates the runner at its two element types once, in
+// src/compiled_bodies.cpp; other translation units only declare them.
+extern template variable_list TiledRegionRunner::run_tiled<float>(const std::vector<at::Tensor>&,
+                                                                  const variable_list&) const;
+extern template variable_list TiledRegionRunner::run_tiled<double>(const std::vector<at::Tensor>&,
+                                                                   const variable_list&) const;
+#endif
 
 }  // namespace stagejit::closure
