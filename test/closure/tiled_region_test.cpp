@@ -476,4 +476,70 @@ TEST_CASE("row-tiled regions: the runner falls back to the nodes one by one, wit
   CHECK_THROWS_AS(sj::closure::TiledRegionRunner(region, 0, {}), sj::CompileError);
 }
 
+TEST_CASE("row-tiled regions: layers up to 128 wide tile, and a where's zeros fuse, with libtorch's values") {
+  // A gradient-penalty critic (leaky ReLU, whose double backward has where(mask, g,
+  // zeros_like(g))): its whole loss compiled, against libtorch in double. At width 128
+  // the forward and backward stages run regions; at 160 their products are too wide for
+  // one (tiling::kMaxTiledWidth). zeros_like is fused into kernels, never a node of its own that splits
+  // a region.
+  if (!sj::ops::small_mm_enabled()) return;
+  for (int64_t width : {int64_t(128), int64_t(160)}) {
+    CAPTURE(width);
+    at::manual_seed(21);
+    const auto o = at::TensorOptions().dtype(at::kDouble);
+    const std::vector<at::Tensor> w{at::randn({8, width}, o) * 0.3, at::randn({width}, o) * 0.1,
+                                    at::randn({width, width}, o) * 0.1, at::randn({width}, o) * 0.1,
+                                    at::randn({width, 1}, o) * 0.1, at::randn({1}, o) * 0.1};
+    const at::Tensor x = at::randn({kRows, 8}, o);
+    auto critic = [](const auto& h0, const auto& p, auto mm_fn, auto act) {
+      auto h = h0;
+      for (std::size_t l = 0; l + 2 < p.size(); l += 2) h = act(mm_fn(h, p[l]) + p[l + 1]);
+      return mm_fn(h, p[p.size() - 2]) + p.back();
+    };
+    auto loss_fn = [&](const sj::variable_list& in) {
+      const sj::variable_list p(in.begin(), in.end() - 1);
+      const sj::Variable& xx = in.back();
+      auto act = [](const sj::Variable& v) { return sj::leaky_relu(v, 0.2); };
+      auto mmv = [](const sj::Variable& a, const sj::Variable& b) { return sj::mm(a, b); };
+      const sj::Variable d = critic(xx, p, mmv, act);
+      const sj::Variable g = sj::grad({d}, {xx}, {sj::ones_like(d)}, /*create_graph=*/true)[0];
+      const sj::Variable gap = sj::sqrt(sj::sum(g * g, std::vector<int64_t>{1}, true)) - 1.0;
+      return sj::variable_list{sj::mean(d) + 10.0 * sj::mean(gap * gap)};
+    };
+    auto compiled = sj::compile(loss_fn, {.derivatives = 1, .tile_rows = 128});
+    sj::variable_list in;
+    for (const auto& t : w) in.emplace_back(t, true);
+    in.emplace_back(x, true);
+    const sj::variable_list p(in.begin(), in.end() - 1);
+    const sj::Variable loss = compiled(in)[0];
+    const auto grads = sj::grad({loss}, p);
+
+    std::vector<torch::Tensor> tp;
+    for (const auto& t : w) tp.push_back(t.clone().requires_grad_(true));
+    const torch::Tensor tx = x.clone().requires_grad_(true);
+    auto tact = [](const torch::Tensor& v) { return torch::leaky_relu(v, 0.2); };
+    auto tmm = [](const torch::Tensor& a, const torch::Tensor& b) { return torch::mm(a, b); };
+    const torch::Tensor td = critic(tx, tp, tmm, tact);
+    const torch::Tensor tg = torch::autograd::grad({td}, {tx}, {torch::ones_like(td)}, true, true)[0];
+    const torch::Tensor tgap = (tg * tg).sum(1, true).sqrt() - 1.0;
+    const torch::Tensor tloss = td.mean() + 10.0 * (tgap * tgap).mean();
+    const auto want = torch::autograd::grad({tloss}, tp);
+    CHECK(std::abs(loss.data().item<double>() - tloss.item<double>()) <= 1e-10 * (1 + std::abs(tloss.item<double>())));
+    REQUIRE(grads.size() == want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      CAPTURE(i);
+      CHECK(max_abs_diff(grads[i].data(), want[i]) <= 1e-10 * (1 + want[i].abs().max().item<double>()));
+    }
+
+    auto closure = compiled.closure_for(in);
+    std::vector<std::size_t> regions(closure->stages.size(), 0);
+    for (std::size_t s = 0; s < closure->stages.size(); ++s)
+      for (const auto& fn : closure->stages[s].functions) regions[s] += fn->name() == "FusedKernel(tiled_region)";
+    REQUIRE(regions.size() == 2);
+    CHECK((regions[0] > 0) == (width <= 128));
+    CHECK((regions[1] > 0) == (width <= 128));
+    for (const sj::ir::Node* n : compiled.graph_for(in)->nodes()) CHECK(n->describe() != "zeros_like");
+  }
+}
+
 }  // TEST_SUITE

@@ -133,6 +133,12 @@ inline std::optional<Trace> trace_on_meta(const traced_fn& fn, const variable_li
 // (Note [Choosing cross-stage gradients]). Regions of elementwise kernels alone (layers
 // wider than the tiled products allow) do not count: there the repeated sweeps' products
 // run whole, as libtorch's would, and cost what they cost.
+//
+// Counted with regions of products at most 64 wide (`kRecomputeWidth`), narrower than
+// the regions run (128): a 128-wide critic's staged step, which recomputes in 128-wide
+// tiles, ran 3-7 % slower than with cross-stage gradients (bench/higher_order.md,
+// 2026-12-06), while its whole loss, which has no such choice, ran 16 % faster tiled.
+inline constexpr int64_t kRecomputeWidth = 64;
 inline bool backward_products_tile(const ir::Graph& g, int64_t tile_rows) {
   if (tile_rows <= 0) return false;
   std::vector<std::vector<ir::Node*>> by_stage;
@@ -148,7 +154,7 @@ inline bool backward_products_tile(const ir::Graph& g, int64_t tile_rows) {
   std::size_t products = 0, tiled = 0;
   for (std::size_t s = 1; s < by_stage.size(); ++s) {
     for (const ir::Node* n : by_stage[s]) products += is_product(n);
-    for (const closure::TiledRegion& r : closure::find_row_tiled_regions(by_stage[s], min_rows))
+    for (const closure::TiledRegion& r : closure::find_row_tiled_regions(by_stage[s], min_rows, kRecomputeWidth))
       for (const ir::Node* n : r.nodes) tiled += is_product(n);
   }
   return products > 0 && 2 * tiled >= products;

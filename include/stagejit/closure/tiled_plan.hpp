@@ -35,7 +35,8 @@
 ///   broadcast is invariant;
 /// - FusionGroup: row outputs [N, C] (one C), inputs row or broadcastable invariants;
 /// - mm (or matmul of two matrices) (row [N, K], invariant [K, M]) and addmm(invariant
-///   bias, row, invariant) with beta = alpha = 1 and K, M <= 64: row;
+///   bias, row, invariant) with beta = alpha = 1 and K, M <= `max_width` (128 by
+///   default, `tiling::kMaxTiledWidth`): row;
 /// - t(row) read only as the first operand of mm(t(row), row): a reduction [K, M];
 /// - sum_to_size(row [N, C], [1, C] or [C]): a reduction;
 /// - another elementwise op on row and invariant inputs: row (run per tile as a
@@ -111,6 +112,8 @@ inline bool is_matrix_product(const ir::Node& n) {
 /// The most arguments (inputs and outputs) of a fusion group inside a region: the
 /// runner hands a tile's to the kernel in a fixed array.
 inline constexpr std::size_t kMaxTiledKernelArgs = 64;
+/// The widest product a region tiles: K and M of a row product, K and M of a reduction.
+inline constexpr int64_t kMaxTiledWidth = 128;
 
 // How a region reads a value: Row ([N, C], tiled by rows), RowT (t of a row value of
 // the region: read as that value), Col ([K, N] from outside, tiled by columns: a
@@ -132,8 +135,11 @@ inline bool attr_is_one(const Attributes& attrs, std::string_view name) {
 /// an order the stage can run them: region k reads only what regions before it and
 /// nodes outside every region make. Empty when none is worth it (a region needs two row
 /// products or kernels), no 2-D value has at least `min_rows` rows, or LIBXSMM is not
-/// available. See Note [Row-tiled regions].
-inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Node*>& nodes, int64_t min_rows) {
+/// available. `max_width`: the widest K and M of a product a region takes (the runner's
+/// default, `tiling::kMaxTiledWidth`; the cross-stage choice counts with 64). See Note
+/// [Row-tiled regions].
+inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Node*>& nodes, int64_t min_rows,
+                                                       int64_t max_width = tiling::kMaxTiledWidth) {
   using tiling::RowLayout;
   if (!ops::small_mm_enabled() || nodes.empty()) return {};
   // One row is never tiled: a [1, C] row value reads like a broadcast row.
@@ -215,7 +221,7 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
         if (d == N) return RowLayout::Bad;
     return RowLayout::Invariant;
   };
-  auto small = [](int64_t d) { return d >= 1 && d <= 64; };
+  auto small = [max_width](int64_t d) { return d >= 1 && d <= max_width; };
   // Whether invariant `v` broadcasts to [N, C] without its own rows (no leading size but 1).
   auto broadcasts_to = [&](const ir::Value* v, int64_t C) {
     const ir::TensorType* t = tensor_of(v);

@@ -35,6 +35,7 @@ namespace stagejit::ops {
 namespace detail::small_gemm_impl {
 
 constexpr int64_t kSmall = 64;       // K and N (tall) or M and N (reduction) at most
+constexpr int64_t kTileSmall = 256;  // the same for the pieces of a row-tiled stage (small_mm_raw)
 constexpr int64_t kLarge = 256;      // M (tall) or K (reduction) at least
 constexpr int64_t kRowBlock = 64;    // rows of A per kernel call (tall)
 constexpr int64_t kReduceBlock = 256;  // columns of A per kernel call (reduction)
@@ -154,13 +155,14 @@ STAGEJIT_FUNC bool thin_product(const at::Tensor& a, const at::Tensor& b) {
 // `medium`: also row blocks for any K and N (the caller checked `medium_product`).
 template <class T>
 bool run_raw(const T* pa, int64_t a_s0, int64_t a_s1, const T* pb, int64_t b_s0, int64_t b_s1, T* pc,
-             int64_t ldc, int64_t M, int64_t K, int64_t N, bool accumulate, bool medium = false) {
+             int64_t ldc, int64_t M, int64_t K, int64_t N, bool accumulate, bool medium = false,
+             int64_t small = kSmall) {
   if (M <= 0 || K <= 0 || N <= 0) return false;
   const Operand A = operand_of(M, K, a_s0, a_s1), B = operand_of(K, N, b_s0, b_s1);
   // LIBXSMM 1.17 generates no kernel reading its first operand (b) transposed.
   if (!A.ok || !B.ok || B.trans) return false;
-  const bool tall = medium || (K <= kSmall && N <= kSmall);
-  if (!tall && !(M <= kSmall && N <= kSmall)) return false;
+  const bool tall = medium || (K <= small && N <= small);
+  if (!tall && !(M <= small && N <= small)) return false;
   const int64_t limit = INT32_MAX;  // LIBXSMM takes int sizes and leading dimensions
   if (A.ld > limit || B.ld > limit || ldc > limit || M > limit || K > limit || N < 1 || ldc < N) return false;
   const int flags = A.trans ? LIBXSMM_GEMM_FLAG_TRANS_B : 0;
@@ -247,7 +249,7 @@ bool raw_entry(const T* a, int64_t a_s0, int64_t a_s1, const T* b, int64_t b_s0,
   // One product for ATen's profilers (bench/pinn counts a row-tiled region's products
   // once per tile); no inputs to record.
   RECORD_FUNCTION("stagejit::small_mm", std::vector<c10::IValue>());
-  return run_raw<T>(a, a_s0, a_s1, b, b_s0, b_s1, c, ldc, M, K, N, accumulate);
+  return run_raw<T>(a, a_s0, a_s1, b, b_s0, b_s1, c, ldc, M, K, N, accumulate, /*medium=*/false, kTileSmall);
 #else
   (void)a, (void)a_s0, (void)a_s1, (void)b, (void)b_s0, (void)b_s1, (void)c, (void)ldc, (void)M, (void)K, (void)N,
       (void)accumulate;

@@ -39,8 +39,9 @@ std::optional<at::Tensor> small_mm(const at::Tensor& a, const at::Tensor& b);
 /// pointers, through LIBXSMM, for the pieces of a row-tiled stage (closure/tiled_region.hpp).
 /// `a` and `b` are row-major with the given element strides (each must have its rows
 /// or its columns dense; `b` must have dense rows, stride `b_s1 == 1`); `c` is dense
-/// with leading dimension `ldc`. Either "tall" (K, N <= 64: blocks of 64 rows of `a`)
-/// or "reduction" (M, N <= 64: blocks of 256 along K); no lower bound on M or K. Returns
+/// with leading dimension `ldc`. Either "tall" (K, N <= 256: blocks of 64 rows of `a`)
+/// or "reduction" (M, N <= 256: blocks of 256 along K); no lower bound on M or K (the
+/// tiled stages call it with at most 128: `closure::tiling::kMaxTiledWidth`). Returns
 /// false, writing nothing, when the shape or strides do not qualify, LIBXSMM is not built
 /// in or disabled (`small_mm_enabled`), or it cannot generate a kernel.
 bool small_mm_raw(const float* a, int64_t a_s0, int64_t a_s1, const float* b, int64_t b_s0, int64_t b_s1,

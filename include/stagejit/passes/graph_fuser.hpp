@@ -4,7 +4,8 @@
 ///
 /// Groups maximal connected sets of fusable nodes of ONE stage into `ir::FusionGroup`
 /// nodes whose subgraph holds copies of the grouped nodes (same Op kinds and attributes,
-/// same types). A fusable node is an `Op` whose table entry is `elementwise`, with one
+/// same types). A fusable node is an `Op` whose table entry is `elementwise` (or
+/// `zeros_like`, a literal in the kernel), with one
 /// output, no side effects, and not `to` (a dtype cast would break the single compute
 /// type of a kernel, see fusion/codegen.hpp).
 ///

@@ -116,7 +116,7 @@ STAGEJIT_FUNC const ir::Op& fusable_op(const ir::Node& node) {
   const std::string name(op->name());
   if (op->id() == OpId::unknown)
     throw FusionError("fusion: unknown op '" + name + "' (not in the op table, ops/op_schema.hpp)");
-  if (!op->schema().elementwise)
+  if (!op->schema().elementwise && op->id() != OpId::zeros_like)
     throw FusionError("fusion: op '" + name + "' is not elementwise and cannot be fused");
   return *op;
 }
@@ -282,6 +282,19 @@ STAGEJIT_FUNC const std::vector<OpForms>& op_forms() {
          e.need(2);
          e.result_bool = true;
          return "T(" + e.a[0] + " != " + e.lit(0) + " && " + e.a[1] + " != " + e.lit(0) + ")";
+       }},
+      // zeros_like(x): zeros of x's shape and dtype (a where's backward writes its
+      // untaken branch with one); fused, it is a literal, neither written nor read.
+      {{OpId::zeros_like},
+       [](OpExpression& e) -> R {
+         e.need(1);
+         e.result_bool = e.operand_bool[0];
+         return e.lit(0);
+       },
+       [](OpExpression& e) -> R {
+         e.need(1);
+         e.result_bool = e.operand_bool[0];
+         return e.lit(0);
        }},
       {{OpId::where},
        [](OpExpression& e) -> R {
