@@ -106,19 +106,15 @@ def make_spec(name, dtype, small):
             s.add_listed([nb, 1])
         s.sizes = "%d + %d" % (n, nb) if boundary else "%d" % n
         return s
-    if name == "kdv":
-        s = Spec(name, dt, small, 4, "tanh", mlp_layers(2, 8 if small else 32, 4, 1))
-        n, nb = (64, 8) if small else (4000, 100)
+    if name in ("kdv", "poisson"):
+        # kdv: X, X_b, g_b; poisson: X, the source s [N, 1], X_b, g_b.
+        poisson = name == "poisson"
+        s = Spec(name, dt, small, 3 if poisson else 4, "tanh",
+                 mlp_layers(2, 8 if small else (50 if poisson else 32), 3 if poisson else 4, 1))
+        n, nb = (64, 8) if small else (4000, 400 if poisson else 100)
         s.add_listed([n, 2], True)
-        s.add_listed([nb, 2])
-        s.add_listed([nb, 1])
-        s.sizes = "%d + %d" % (n, nb)
-        return s
-    if name == "poisson":
-        s = Spec(name, dt, small, 3, "tanh", mlp_layers(2, 8 if small else 50, 3, 1))
-        n, nb = (64, 8) if small else (4000, 400)
-        s.add_listed([n, 2], True)
-        s.add_listed([n, 1])
+        if poisson:
+            s.add_listed([n, 1])
         s.add_listed([nb, 2])
         s.add_listed([nb, 1])
         s.sizes = "%d + %d" % (n, nb)
