@@ -536,10 +536,83 @@ TEST_CASE("row-tiled regions: layers up to 128 wide tile, and a where's zeros fu
     for (std::size_t s = 0; s < closure->stages.size(); ++s)
       for (const auto& fn : closure->stages[s].functions) regions[s] += fn->name() == "FusedKernel(tiled_region)";
     REQUIRE(regions.size() == 2);
+    // Stage 0 is products and activations: tiled only when its products are. Stage 1
+    // tiles at 128; at 160 only its kernels can form a region.
     CHECK((regions[0] > 0) == (width <= 128));
-    CHECK((regions[1] > 0) == (width <= 128));
+    if (width <= 128) CHECK(regions[1] > 0);
+    std::size_t tiled_products = 0;
+    for (std::size_t s = 0; s < 2; ++s)
+      for (const auto& region : sj::closure::find_row_tiled_regions(closure->plan.stage_nodes(s), 2))
+        for (const sj::ir::Node* n : region.nodes) tiled_products += sj::closure::tiling::is_matrix_product(*n);
+    CHECK((tiled_products > 0) == (width <= 128));
     for (const sj::ir::Node* n : compiled.graph_for(in)->nodes()) CHECK(n->describe() != "zeros_like");
   }
+}
+
+TEST_CASE("row-tiled regions: Bool masks an earlier stage saved are row inputs of a region's kernels") {
+  // A staged gradient-penalty critic with leaky ReLU: stage 1 saves the activation's
+  // masks (Bool [N, C]), which stage 2's fusion groups read. Those groups join stage 2's
+  // region (their kernels built for Bool inputs) instead of splitting it; the step equals
+  // libtorch in double, on the first call and with the kernels built.
+  if (!sj::ops::small_mm_enabled()) return;
+  sj::fusion::set_wait_for_kernels(true);
+  at::manual_seed(22);
+  const auto o = at::TensorOptions().dtype(at::kDouble);
+  const int64_t width = 48;
+  const std::vector<at::Tensor> w{at::randn({8, width}, o) * 0.3, at::randn({width}, o) * 0.1,
+                                  at::randn({width, width}, o) * 0.2, at::randn({width}, o) * 0.1,
+                                  at::randn({width, 1}, o) * 0.2, at::randn({1}, o) * 0.1};
+  const at::Tensor x = at::randn({kRows, 8}, o);
+  auto critic = [](const auto& h0, const auto& p, auto mm_fn, auto act) {
+    auto h = h0;
+    for (std::size_t l = 0; l + 2 < p.size(); l += 2) h = act(mm_fn(h, p[l]) + p[l + 1]);
+    return mm_fn(h, p[p.size() - 2]) + p.back();
+  };
+  auto net = sj::compile(
+      [&](const sj::variable_list& in) {
+        const sj::variable_list p(in.begin() + 1, in.end());
+        return sj::variable_list{critic(in[0], p, [](const sj::Variable& a, const sj::Variable& b) { return sj::mm(a, b); },
+                                        [](const sj::Variable& v) { return sj::leaky_relu(v, 0.2); })};
+      },
+      {.derivatives = 2});
+
+  std::vector<torch::Tensor> tp;
+  for (const auto& t : w) tp.push_back(t.clone().requires_grad_(true));
+  const torch::Tensor tx = x.clone().requires_grad_(true);
+  const torch::Tensor td = critic(tx, tp, [](const torch::Tensor& a, const torch::Tensor& b) { return torch::mm(a, b); },
+                                  [](const torch::Tensor& v) { return torch::leaky_relu(v, 0.2); });
+  const torch::Tensor tg = torch::autograd::grad({td}, {tx}, {torch::ones_like(td)}, true, true)[0];
+  const torch::Tensor tgap = (tg * tg).sum(1, true).sqrt() - 1.0;
+  const torch::Tensor tloss = td.mean() + 10.0 * (tgap * tgap).mean();
+  const auto want = torch::autograd::grad({tloss}, tp);
+
+  sj::variable_list in{sj::Variable(x, true)};
+  for (const auto& t : w) in.emplace_back(t, true);
+  for (int call = 0; call < 2; ++call) {
+    CAPTURE(call);
+    const sj::variable_list p(in.begin() + 1, in.end());
+    const sj::Variable d = net(in)[0];
+    const sj::Variable g = sj::grad({d}, {in[0]}, {sj::ones_like(d)}, /*create_graph=*/true)[0];
+    const sj::Variable gap = sj::sqrt(sj::sum(g * g, std::vector<int64_t>{1}, true)) - 1.0;
+    const sj::Variable loss = sj::mean(d) + 10.0 * sj::mean(gap * gap);
+    const auto grads = sj::grad({loss}, p);
+    CHECK(std::abs(loss.data().item<double>() - tloss.item<double>()) <= 1e-10 * (1 + std::abs(tloss.item<double>())));
+    REQUIRE(grads.size() == want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      CAPTURE(i);
+      CHECK(max_abs_diff(grads[i].data(), want[i]) <= 1e-10 * (1 + want[i].abs().max().item<double>()));
+    }
+  }
+  sj::fusion::set_wait_for_kernels(false);
+
+  // Stage 2 has a region that reads a Bool mask of kRows rows.
+  auto closure = net.closure_for(in);
+  bool mask_input = false;
+  for (const auto& region : sj::closure::find_row_tiled_regions(closure->plan.stage_nodes(2), 2))
+    for (const sj::ir::Value* v : region.inputs)
+      if (const auto* t = v->tensor_type(); t && t->dtype == at::kBool && t->sizes.size() == 2 && t->sizes[0] == kRows)
+        mask_input = true;
+  CHECK(mask_input);
 }
 
 }  // TEST_SUITE

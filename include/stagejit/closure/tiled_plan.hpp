@@ -33,7 +33,8 @@
 ///   a width, a weight has the shape of a row): a product's right operand is invariant,
 ///   the left operand t(X) of a reduction is read by columns, and a [C] or [1, C]
 ///   broadcast is invariant;
-/// - FusionGroup: row outputs [N, C] (one C), inputs row or broadcastable invariants;
+/// - FusionGroup: row outputs [N, C] (one C), inputs row (Bool masks made outside
+///   among them) or broadcastable invariants;
 /// - mm (or matmul of two matrices) (row [N, K], invariant [K, M]) and addmm(invariant
 ///   bias, row, invariant) with beta = alpha = 1 and K, M <= `max_width` (128 by
 ///   default, `tiling::kMaxTiledWidth`): row;
@@ -211,6 +212,10 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
     if (column_operands.count(v) && t->sizes.size() == 2 && t->sizes[1] == N && t->dtype == *dtype)
       return RowLayout::Col;
     if (is_row_type(t)) return RowLayout::Row;
+    // A Bool mask of N rows made outside (a comparison an earlier stage saved: the
+    // backward of leaky ReLU or softplus): a row only a fusion group may read (classify).
+    if (t->dtype == at::kBool && t->sizes.size() == 2 && t->sizes[0] == N && t->device.is_cpu())
+      return RowLayout::Row;
     if (t->sizes.size() == 2 && t->sizes[1] == N && t->sizes[0] != N && t->dtype == *dtype) return RowLayout::Col;
     // A vector [C] or a row [1, C] broadcasts along the rows whatever C is (a bias of
     // width N when N rows meet N-wide layers); other shapes holding N are neither rows
@@ -248,7 +253,9 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
       if (n->inputs().size() + n->outputs().size() > tiling::kMaxTiledKernelArgs) return RowLayout::Bad;
       const int64_t C = out->sizes.size() == 2 ? out->sizes[1] : -1;
       // (A group that also writes a Bool mask, as softplus's backward does, stays outside:
-      // admitted as a region output, it made forces_softplus 4-7 % slower, 2026-12-06.)
+      // admitted as a region output, it made forces_softplus 4-7 % slower, 2026-12-06.
+      // A mask made outside and read here is a row input: leaky ReLU's and softplus's
+      // later stages tile.)
       for (ir::Value* o : n->outputs()) {
         const ir::TensorType* t = tensor_of(o);
         if (!is_row_type(t) || t->sizes[1] != C || !t->is_contiguous()) return RowLayout::Bad;
@@ -256,7 +263,7 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
       for (std::size_t i = 0; i < in.size(); ++i) {
         if (in[i] == RowLayout::RowT || in[i] == RowLayout::Col) return RowLayout::Bad;
         const ir::TensorType* t = tensor_of(n->inputs()[i]);
-        if (t->dtype != *dtype) return RowLayout::Bad;
+        if (t->dtype != *dtype && !(in[i] == RowLayout::Row && t->dtype == at::kBool)) return RowLayout::Bad;
         if (in[i] == RowLayout::Row && t->sizes[1] != C && t->sizes[1] != 1) return RowLayout::Bad;
         if (in[i] == RowLayout::Invariant && !broadcasts_to(n->inputs()[i], C)) return RowLayout::Bad;
       }
@@ -264,6 +271,9 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
     }
     const ir::Op* op = n->get_if<ir::Op>();
     if (!op || op->id() == OpId::unknown) return RowLayout::Bad;
+    // Rows of another dtype (Bool masks) are read by fusion groups only.
+    for (std::size_t i = 0; i < in.size(); ++i)
+      if (in[i] == RowLayout::Row && tensor_of(n->inputs()[i])->dtype != *dtype) return RowLayout::Bad;
     const OpDef& def = ops::def(op->id());
     if (def.side_effects || n->inputs().empty()) return RowLayout::Bad;
     // Nodes reading no row run outside (before the region, or after the region whose

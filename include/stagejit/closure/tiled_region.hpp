@@ -453,7 +453,8 @@ class TiledRegionRunner {
         for (std::size_t v : steps_[i].in) {
           const Value& val = values_[v];
           if (val.row) {
-            sample.push_back(at::empty({tile_, val.cols}, options));
+            // A row's own dtype: a Bool mask read by a group is Bool in its kernel too.
+            sample.push_back(at::empty({tile_, val.cols}, options.dtype(val.dtype)));
           } else {
             sample.push_back(in[std::size_t(val.index)]);
           }
