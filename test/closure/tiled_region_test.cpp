@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <map>
 #include <string>
+#include <type_traits>
 
 namespace sj = stagejit;
 using sj::testing::max_abs_diff;
@@ -73,6 +74,47 @@ std::size_t count_regions(const sj::closure::MultiStageClosure& c) {
     for (const auto& fn : stage.functions)
       if (fn->name() == "FusedKernel(tiled_region)") ++n;
   return n;
+}
+
+// The weights of an 8-width-width-1 critic in double, after at::manual_seed(seed): the
+// second and last layers scaled by `scale`.
+std::vector<at::Tensor> critic_weights(uint64_t seed, int64_t width, double scale) {
+  at::manual_seed(seed);
+  const auto o = at::TensorOptions().dtype(at::kDouble);
+  return {at::randn({8, width}, o) * 0.3, at::randn({width}, o) * 0.1, at::randn({width, width}, o) * scale,
+          at::randn({width}, o) * 0.1,     at::randn({width, 1}, o) * scale, at::randn({1}, o) * 0.1};
+}
+
+// The critic on Variables or libtorch tensors: layers h @ W + b, leaky ReLU (0.2) between.
+template <class V>
+V leaky_critic(const V& x, const std::vector<V>& p) {
+  V h = x;
+  for (std::size_t l = 0; l + 2 < p.size(); l += 2) {
+    if constexpr (std::is_same_v<V, sj::Variable>) h = sj::leaky_relu(sj::mm(h, p[l]) + p[l + 1], 0.2);
+    else h = torch::leaky_relu(torch::mm(h, p[l]) + p[l + 1], 0.2);
+  }
+  if constexpr (std::is_same_v<V, sj::Variable>) return sj::mm(h, p[p.size() - 2]) + p.back();
+  else return torch::mm(h, p[p.size() - 2]) + p.back();
+}
+
+// Checks a gradient-penalty step of leaky_critic, the loss mean(D(x)) + 10 mean((|grad_x
+// D| - 1)^2) and its gradients in the weights, against libtorch's in double (1e-10).
+void check_penalty_step(const sj::Variable& loss, const sj::variable_list& grads, const std::vector<at::Tensor>& w,
+                        const at::Tensor& x) {
+  std::vector<torch::Tensor> tp;
+  for (const auto& t : w) tp.push_back(t.clone().requires_grad_(true));
+  const torch::Tensor tx = x.clone().requires_grad_(true);
+  const torch::Tensor td = leaky_critic(tx, tp);
+  const torch::Tensor tg = torch::autograd::grad({td}, {tx}, {torch::ones_like(td)}, true, true)[0];
+  const torch::Tensor tgap = (tg * tg).sum(1, true).sqrt() - 1.0;
+  const torch::Tensor tloss = td.mean() + 10.0 * (tgap * tgap).mean();
+  const auto want = torch::autograd::grad({tloss}, tp);
+  CHECK(std::abs(loss.data().item<double>() - tloss.item<double>()) <= 1e-10 * (1 + std::abs(tloss.item<double>())));
+  REQUIRE(grads.size() == want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    CAPTURE(i);
+    CHECK(max_abs_diff(grads[i].data(), want[i]) <= 1e-10 * (1 + want[i].abs().max().item<double>()));
+  }
 }
 
 }  // namespace
@@ -485,23 +527,12 @@ TEST_CASE("row-tiled regions: layers up to 128 wide tile, and a where's zeros fu
   if (!sj::ops::small_mm_enabled()) return;
   for (int64_t width : {int64_t(128), int64_t(160)}) {
     CAPTURE(width);
-    at::manual_seed(21);
-    const auto o = at::TensorOptions().dtype(at::kDouble);
-    const std::vector<at::Tensor> w{at::randn({8, width}, o) * 0.3, at::randn({width}, o) * 0.1,
-                                    at::randn({width, width}, o) * 0.1, at::randn({width}, o) * 0.1,
-                                    at::randn({width, 1}, o) * 0.1, at::randn({1}, o) * 0.1};
-    const at::Tensor x = at::randn({kRows, 8}, o);
-    auto critic = [](const auto& h0, const auto& p, auto mm_fn, auto act) {
-      auto h = h0;
-      for (std::size_t l = 0; l + 2 < p.size(); l += 2) h = act(mm_fn(h, p[l]) + p[l + 1]);
-      return mm_fn(h, p[p.size() - 2]) + p.back();
-    };
+    const std::vector<at::Tensor> w = critic_weights(21, width, 0.1);
+    const at::Tensor x = at::randn({kRows, 8}, at::kDouble);
     auto loss_fn = [&](const sj::variable_list& in) {
       const sj::variable_list p(in.begin(), in.end() - 1);
       const sj::Variable& xx = in.back();
-      auto act = [](const sj::Variable& v) { return sj::leaky_relu(v, 0.2); };
-      auto mmv = [](const sj::Variable& a, const sj::Variable& b) { return sj::mm(a, b); };
-      const sj::Variable d = critic(xx, p, mmv, act);
+      const sj::Variable d = leaky_critic(xx, p);
       const sj::Variable g = sj::grad({d}, {xx}, {sj::ones_like(d)}, /*create_graph=*/true)[0];
       const sj::Variable gap = sj::sqrt(sj::sum(g * g, std::vector<int64_t>{1}, true)) - 1.0;
       return sj::variable_list{sj::mean(d) + 10.0 * sj::mean(gap * gap)};
@@ -514,22 +545,7 @@ TEST_CASE("row-tiled regions: layers up to 128 wide tile, and a where's zeros fu
     const sj::Variable loss = compiled(in)[0];
     const auto grads = sj::grad({loss}, p);
 
-    std::vector<torch::Tensor> tp;
-    for (const auto& t : w) tp.push_back(t.clone().requires_grad_(true));
-    const torch::Tensor tx = x.clone().requires_grad_(true);
-    auto tact = [](const torch::Tensor& v) { return torch::leaky_relu(v, 0.2); };
-    auto tmm = [](const torch::Tensor& a, const torch::Tensor& b) { return torch::mm(a, b); };
-    const torch::Tensor td = critic(tx, tp, tmm, tact);
-    const torch::Tensor tg = torch::autograd::grad({td}, {tx}, {torch::ones_like(td)}, true, true)[0];
-    const torch::Tensor tgap = (tg * tg).sum(1, true).sqrt() - 1.0;
-    const torch::Tensor tloss = td.mean() + 10.0 * (tgap * tgap).mean();
-    const auto want = torch::autograd::grad({tloss}, tp);
-    CHECK(std::abs(loss.data().item<double>() - tloss.item<double>()) <= 1e-10 * (1 + std::abs(tloss.item<double>())));
-    REQUIRE(grads.size() == want.size());
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      CAPTURE(i);
-      CHECK(max_abs_diff(grads[i].data(), want[i]) <= 1e-10 * (1 + want[i].abs().max().item<double>()));
-    }
+    check_penalty_step(loss, grads, w, x);
 
     auto closure = compiled.closure_for(in);
     std::vector<std::size_t> regions(closure->stages.size(), 0);
@@ -556,35 +572,13 @@ TEST_CASE("row-tiled regions: Bool masks an earlier stage saved are row inputs o
   // libtorch in double, on the first call and with the kernels built.
   if (!sj::ops::small_mm_enabled()) return;
   sj::fusion::set_wait_for_kernels(true);
-  at::manual_seed(22);
-  const auto o = at::TensorOptions().dtype(at::kDouble);
-  const int64_t width = 48;
-  const std::vector<at::Tensor> w{at::randn({8, width}, o) * 0.3, at::randn({width}, o) * 0.1,
-                                  at::randn({width, width}, o) * 0.2, at::randn({width}, o) * 0.1,
-                                  at::randn({width, 1}, o) * 0.2, at::randn({1}, o) * 0.1};
-  const at::Tensor x = at::randn({kRows, 8}, o);
-  auto critic = [](const auto& h0, const auto& p, auto mm_fn, auto act) {
-    auto h = h0;
-    for (std::size_t l = 0; l + 2 < p.size(); l += 2) h = act(mm_fn(h, p[l]) + p[l + 1]);
-    return mm_fn(h, p[p.size() - 2]) + p.back();
-  };
+  const std::vector<at::Tensor> w = critic_weights(22, 48, 0.2);
+  const at::Tensor x = at::randn({kRows, 8}, at::kDouble);
   auto net = sj::compile(
-      [&](const sj::variable_list& in) {
-        const sj::variable_list p(in.begin() + 1, in.end());
-        return sj::variable_list{critic(in[0], p, [](const sj::Variable& a, const sj::Variable& b) { return sj::mm(a, b); },
-                                        [](const sj::Variable& v) { return sj::leaky_relu(v, 0.2); })};
+      [](const sj::variable_list& in) {
+        return sj::variable_list{leaky_critic(in[0], sj::variable_list(in.begin() + 1, in.end()))};
       },
       {.derivatives = 2});
-
-  std::vector<torch::Tensor> tp;
-  for (const auto& t : w) tp.push_back(t.clone().requires_grad_(true));
-  const torch::Tensor tx = x.clone().requires_grad_(true);
-  const torch::Tensor td = critic(tx, tp, [](const torch::Tensor& a, const torch::Tensor& b) { return torch::mm(a, b); },
-                                  [](const torch::Tensor& v) { return torch::leaky_relu(v, 0.2); });
-  const torch::Tensor tg = torch::autograd::grad({td}, {tx}, {torch::ones_like(td)}, true, true)[0];
-  const torch::Tensor tgap = (tg * tg).sum(1, true).sqrt() - 1.0;
-  const torch::Tensor tloss = td.mean() + 10.0 * (tgap * tgap).mean();
-  const auto want = torch::autograd::grad({tloss}, tp);
 
   sj::variable_list in{sj::Variable(x, true)};
   for (const auto& t : w) in.emplace_back(t, true);
@@ -595,13 +589,7 @@ TEST_CASE("row-tiled regions: Bool masks an earlier stage saved are row inputs o
     const sj::Variable g = sj::grad({d}, {in[0]}, {sj::ones_like(d)}, /*create_graph=*/true)[0];
     const sj::Variable gap = sj::sqrt(sj::sum(g * g, std::vector<int64_t>{1}, true)) - 1.0;
     const sj::Variable loss = sj::mean(d) + 10.0 * sj::mean(gap * gap);
-    const auto grads = sj::grad({loss}, p);
-    CHECK(std::abs(loss.data().item<double>() - tloss.item<double>()) <= 1e-10 * (1 + std::abs(tloss.item<double>())));
-    REQUIRE(grads.size() == want.size());
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      CAPTURE(i);
-      CHECK(max_abs_diff(grads[i].data(), want[i]) <= 1e-10 * (1 + want[i].abs().max().item<double>()));
-    }
+    check_penalty_step(loss, sj::grad({loss}, p), w, x);
   }
   sj::fusion::set_wait_for_kernels(false);
 
