@@ -249,6 +249,12 @@ class Workload {
     data_.push_back(std::move(t));
     data_grad_.push_back(input_grad);
   }
+  /// Appends the next listed tensor: `sizes` from the formula at scale 1, in the
+  /// workload's dtype (requiring grad in the step when `input_grad`).
+  void add_listed(std::vector<int64_t> sizes, bool input_grad = false) {
+    add_data(formula(sizes, 1, next_t(), dtype_), input_grad);
+    count_listed();
+  }
   /// The tensor number of the next listed tensor.
   int64_t next_t() const { return int64_t(weights_.size() + listed_); }
   void count_listed(int64_t n = 1) { listed_ += std::size_t(n); }
@@ -402,14 +408,10 @@ class Poisson : public WorkloadOf<Poisson> {
   Poisson(at::ScalarType dtype, bool small)
       : WorkloadOf("poisson", dtype, 3, Activation::Tanh, mlp_layers(2, small ? 8 : 50, 3, 1)),
         n_(small ? 64 : 4000), n_b_(small ? 8 : 400) {
-    add_data(formula({n_, 2}, 1, next_t(), dtype), true);
-    count_listed();
-    add_data(formula({n_, 1}, 1, next_t(), dtype));
-    count_listed();
-    add_data(formula({n_b_, 2}, 1, next_t(), dtype));
-    count_listed();
-    add_data(formula({n_b_, 1}, 1, next_t(), dtype));
-    count_listed();
+    add_listed({n_, 2}, true);
+    add_listed({n_, 1});
+    add_listed({n_b_, 2});
+    add_listed({n_b_, 1});
   }
   std::string describe() const override {
     return layers_string() + ", N " + std::to_string(n_) + " + " + std::to_string(n_b_);
@@ -439,12 +441,9 @@ class Forces : public WorkloadOf<Forces> {
                    softplus_act ? Activation::Softplus : Activation::Silu,
                    mlp_layers(12, small && !softplus_act ? 16 : 64, 2, 1)),
         n_(small ? 32 : 2000) {
-    add_data(formula({n_, 12}, 1, next_t(), dtype), true);
-    count_listed();
-    add_data(formula({n_, 1}, 1, next_t(), dtype));
-    count_listed();
-    add_data(formula({n_, 12}, 1, next_t(), dtype));
-    count_listed();
+    add_listed({n_, 12}, true);
+    add_listed({n_, 1});
+    add_listed({n_, 12});
   }
   std::string describe() const override { return layers_string() + ", N " + std::to_string(n_); }
   template <class V, class Net>
