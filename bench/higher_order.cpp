@@ -30,7 +30,8 @@
 // --warm-cache, in the default cache folder), --only MODE --steps N (after the first
 // round, N steps of that one mode and nothing else: the run to put under `perf record`),
 // --print-graphs (after one staged and one whole-loss step, the optimised graphs of the
-// staged net and of the whole loss, every stage, and nothing else).
+// staged net and of the whole loss, every stage, and nothing else), --print-products (each
+// mode's products of the profiled step by operator and operand shapes).
 #include "../examples/cli.hpp"
 #include "../test/support/higher_order.hpp"
 #include "bench_util.hpp"
@@ -98,7 +99,7 @@ void first_call_of(ho::Workload& w, bool staged) {
 
 // The first round (check), the timed rounds and the profiled round of one workload.
 // Returns false when a mode's results differ from libtorch's beyond the tolerance.
-bool run_workload(ho::Workload& w, bool small, int rounds, int warmup, int block, Summary& sum) {
+bool run_workload(ho::Workload& w, bool small, int rounds, int warmup, int block, bool print_products, Summary& sum) {
   const double tol = w.dtype() == at::kFloat ? 1e-5 : 1e-10;
   std::printf("\n%s, %s: %s; staged: the net compiled with %d derivatives; %zu weight tensors\n", w.name().c_str(),
               dtype_name(w.dtype()), w.describe().c_str(), w.derivatives(), w.weights().size());
@@ -212,6 +213,14 @@ bool run_workload(ho::Workload& w, bool small, int rounds, int warmup, int block
     sum.flops[m] = prof[m].flops;
   }
   sum.libtorch_gemm_share = prof[kLibtorch].wall_ms / profiled_ms[kLibtorch];
+  if (print_products)
+    for (std::size_t m = 0; m < kModes; ++m) {
+      std::printf("  products of %s's profiled step (op and operand shapes: calls, ms; row-tiled products show no "
+                  "operands):\n",
+                  kLabels[m]);
+      for (const auto& [shape, e] : prof[m].by_shape)
+        std::printf("    %-48s %6lld %9.3f\n", shape.c_str(), (long long)e.second, double(e.first) * 1e-6);
+    }
   std::printf("  GEMM share of libtorch eager's step: %.1f%%\n", 100 * sum.libtorch_gemm_share);
   return ok;
 }
@@ -262,6 +271,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember(std::vector<std::string>(std::begin(kOnlyNames), std::end(kOnlyNames))));
   app.add_option("--steps", steps, "Steps of the --only mode")->capture_default_str()->check(CLI::PositiveNumber);
   bool print_graphs = false;
+  bool print_products = false;
+  app.add_flag("--print-products", print_products,
+               "After each workload's table, the products of every mode's profiled step by operator and operand "
+               "shapes (calls and time)");
   app.add_flag("--print-graphs", print_graphs,
                "After one staged and one whole-loss step, print the optimised graphs of the staged net and of "
                "the whole loss (every stage), and nothing else");
@@ -338,7 +351,7 @@ int main(int argc, char** argv) {
       auto w = ho::make_workload(name, dt, small);
       Summary s{name, dt};
       try {
-        all_ok = run_workload(*w, small, rounds, warmup, block, s) && all_ok;
+        all_ok = run_workload(*w, small, rounds, warmup, block, print_products, s) && all_ok;
         summaries.push_back(s);
       } catch (const std::exception& e) {
         std::printf("  error: %s\n", e.what());

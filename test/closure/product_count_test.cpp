@@ -346,4 +346,46 @@ TEST_CASE("product count: the WGAN-GP critic's compiled modes do no more product
   CHECK(m.whole.flops <= m.eager.flops);
 }
 
+// With row tiling (the default options), every product of the critic's step, staged and
+// whole-loss, runs per tile inside a row-tiled region: none is reported with operands, so
+// none ran whole through OpenBLAS. Before 2026-12-07 a fusion group that writes a Bool
+// mask (leaky ReLU's backward saves one for the double backward) stayed outside every
+// region; in the staged critic's stage 1 that split each region down to one product, so
+// no region formed, and the stage's 6 products ran whole (13 of 237 products per step of
+// bench/higher_order's critic128, 379 of its 379 MFLOP that ran whole).
+TEST_CASE("product count: the critic's tiled steps run every product inside a row-tiled region") {
+  if (!sj::ops::small_mm_enabled()) return;
+  sj::fusion::set_wait_for_kernels(true);  // every call with the kernels built: none runs a region untiled
+  const auto data = critic_data(1024, 8, 64);
+  auto net = sj::compile(&critic, {.derivatives = 2});
+  auto loss = sj::compile(&critic_loss, {.derivatives = 1});
+  const Step ref = torch_critic_step(data);
+  auto staged = [&] {
+    auto in = as_inputs(data);
+    return step_of(critic_loss_of(in, net(in)[0]), in);
+  };
+  auto whole = [&] {
+    auto in = as_inputs(data);
+    return step_of(loss(in)[0], in);
+  };
+  for (int call = 0; call < 2; ++call) {
+    CAPTURE(call);
+    Step s, w;
+    const ProductCount cs = count_products([&] { s = staged(); });
+    const ProductCount cw = count_products([&] { w = whole(); });
+    CHECK(max_rel(s.grads, ref.grads) < 1e-10);
+    CHECK(max_rel(w.grads, ref.grads) < 1e-10);
+    CHECK(std::abs(s.loss - ref.loss) <= 1e-10 * std::max(1.0, std::abs(ref.loss)));
+    CHECK(std::abs(w.loss - ref.loss) <= 1e-10 * std::max(1.0, std::abs(ref.loss)));
+    if (call == 0) continue;  // the first call traces and compiles: its products are not the step's
+    const std::string report = describe("staged compiled", cs) + describe("whole-loss compiled", cw);
+    INFO(report);
+    CHECK(cs.calls > 0);
+    CHECK(cs.unknown == cs.calls);
+    CHECK(cw.calls > 0);
+    CHECK(cw.unknown == cw.calls);
+  }
+  sj::fusion::set_wait_for_kernels(false);
+}
+
 }  // TEST_SUITE

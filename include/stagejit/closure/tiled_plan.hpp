@@ -33,8 +33,9 @@
 ///   a width, a weight has the shape of a row): a product's right operand is invariant,
 ///   the left operand t(X) of a reduction is read by columns, and a [C] or [1, C]
 ///   broadcast is invariant;
-/// - FusionGroup: row outputs [N, C] (one C), inputs row (Bool masks made outside
-///   among them) or broadcastable invariants;
+/// - FusionGroup: row outputs [N, C] (one C; Bool masks among them), inputs row (Bool
+///   masks among them, made inside or outside the region) or broadcastable invariants;
+///   only fusion groups read a Bool mask;
 /// - mm (or matmul of two matrices) (row [N, K], invariant [K, M]) and addmm(invariant
 ///   bias, row, invariant) with beta = alpha = 1 and K, M <= `max_width` (128 by
 ///   default, `tiling::kMaxTiledWidth`): row;
@@ -252,13 +253,15 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
       // 16-dimensional Laplacian's backward has one) runs whole, outside the region.
       if (n->inputs().size() + n->outputs().size() > tiling::kMaxTiledKernelArgs) return RowLayout::Bad;
       const int64_t C = out->sizes.size() == 2 ? out->sizes[1] : -1;
-      // (A group that also writes a Bool mask, as softplus's backward does, stays outside:
-      // admitted as a region output, it made forces_softplus 4-7 % slower, 2026-12-06.
-      // A mask made outside and read here is a row input: leaky ReLU's and softplus's
-      // later stages tile.)
       for (ir::Value* o : n->outputs()) {
+        // Rows of the region's dtype, or a Bool mask (a comparison a later group reads:
+        // leaky ReLU's forward and backward write one for the stages after them): its rows
+        // are written tile by tile like any other, read by the region's groups, or written
+        // out whole for the outside. (Kept outside, such a group split a critic's stages into
+        // regions of one product each, which ran whole: bench/higher_order.md, 2026-12-07.)
         const ir::TensorType* t = tensor_of(o);
-        if (!is_row_type(t) || t->sizes[1] != C || !t->is_contiguous()) return RowLayout::Bad;
+        const bool mask = t && t->dtype == at::kBool && t->sizes.size() == 2 && t->sizes[0] == N && t->device.is_cpu();
+        if ((!is_row_type(t) && !mask) || t->sizes[1] != C || !t->is_contiguous()) return RowLayout::Bad;
       }
       for (std::size_t i = 0; i < in.size(); ++i) {
         if (in[i] == RowLayout::RowT || in[i] == RowLayout::Col) return RowLayout::Bad;

@@ -475,7 +475,10 @@ class TiledRegionRunner {
           return;
         }
         bool usable = plan.kernel && plan.fallback.empty() && plan.shape == std::vector<int64_t>{tile_, f->cols};
-        for (at::ScalarType dt : plan.output_dtypes) usable = usable && dt == region_.dtype;
+        // Each output in its value's dtype (a Bool mask among the region's rows).
+        usable = usable && plan.output_dtypes.size() == steps_[i].out.size();
+        for (std::size_t k = 0; usable && k < plan.output_dtypes.size(); ++k)
+          usable = plan.output_dtypes[k] == values_[steps_[i].out[k]].dtype;
         if (!usable && optional) continue;
         if (!usable) return;
         ks[i] = plan.kernel;
