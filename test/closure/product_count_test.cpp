@@ -178,11 +178,21 @@ sj::Variable critic_loss_of(const sj::variable_list& in, const sj::Variable& d) 
 }
 sj::variable_list critic_loss(const sj::variable_list& in) { return {critic_loss_of(in, critic(in)[0])}; }
 
-Step torch_critic_step(const std::vector<at::Tensor>& data) {
+// The same critic with ReLU: its backward is masked_fill(g, mask, 0), a lone op between
+// two products where leaky ReLU's is a fusion group.
+sj::variable_list relu_critic(const sj::variable_list& in) {
+  auto h = sj::relu(sj::add(sj::mm(in[0], in[1]), in[2]));
+  h = sj::relu(sj::add(sj::mm(h, in[3]), in[4]));
+  return {sj::mm(h, in[5])};
+}
+sj::variable_list relu_critic_loss(const sj::variable_list& in) { return {critic_loss_of(in, relu_critic(in)[0])}; }
+
+Step torch_critic_step_with(const std::vector<at::Tensor>& data, bool relu) {
   std::vector<torch::Tensor> in;
   for (const auto& t : data) in.push_back(t.detach().clone().set_requires_grad(true));
-  auto h = torch::leaky_relu(torch::mm(in[0], in[1]) + in[2], 0.2);
-  h = torch::leaky_relu(torch::mm(h, in[3]) + in[4], 0.2);
+  auto act = [relu](const torch::Tensor& z) { return relu ? torch::relu(z) : torch::leaky_relu(z, 0.2); };
+  auto h = act(torch::mm(in[0], in[1]) + in[2]);
+  h = act(torch::mm(h, in[3]) + in[4]);
   auto d = torch::mm(h, in[5]);
   auto g = torch::autograd::grad({d}, {in[0]}, {torch::ones_like(d)}, true, true)[0];
   auto gap = (g * g).sum(1).add(1e-12).sqrt() - 1.0;
@@ -191,6 +201,7 @@ Step torch_critic_step(const std::vector<at::Tensor>& data) {
   auto gr = torch::autograd::grad({loss}, params);
   return Step{loss.to(at::kDouble).item<double>(), {gr.begin(), gr.end()}};
 }
+Step torch_critic_step(const std::vector<at::Tensor>& data) { return torch_critic_step_with(data, false); }
 
 std::vector<at::Tensor> pinn_data(int64_t n, int64_t h) {
   at::manual_seed(3);
@@ -347,45 +358,51 @@ TEST_CASE("product count: the WGAN-GP critic's compiled modes do no more product
 }
 
 // With row tiling (the default options), every product of the critic's step, staged and
-// whole-loss, runs per tile inside a row-tiled region: none is reported with operands, so
-// none ran whole through OpenBLAS. Before 2026-12-07 a fusion group that writes a Bool
-// mask (leaky ReLU's backward saves one for the double backward) stayed outside every
-// region; in the staged critic's stage 1 that split each region down to one product, so
-// no region formed, and the stage's 6 products ran whole (13 of 237 products per step of
-// bench/higher_order's critic128, 379 of its 379 MFLOP that ran whole).
+// whole-loss, with leaky ReLU or ReLU, runs per tile inside a row-tiled region: none is
+// reported with operands, so none ran whole through OpenBLAS. Before 2026-12-06 22:00:
+// - a fusion group that writes a Bool mask (leaky ReLU's backward saves one for the double
+//   backward) stayed outside every region. In the staged critic's stage 1 that left
+//   regions of one product each, so none formed, and the stage's 6 products ran whole
+//   (bench/higher_order's critic128: 13 of 237 products per step, 379 MFLOP);
+// - only fusion groups read a mask. ReLU's backward, a lone masked_fill(g, mask, 0)
+//   between two products, split the whole loss's backward stage the same way (a 128-wide
+//   ReLU critic's whole loss: 13.5 -> 7.9 ms per step, bench/higher_order.md).
 TEST_CASE("product count: the critic's tiled steps run every product inside a row-tiled region") {
   if (!sj::ops::small_mm_enabled()) return;
-  sj::fusion::set_wait_for_kernels(true);  // every call with the kernels built: none runs a region untiled
-  const auto data = critic_data(1024, 8, 64);
-  auto net = sj::compile(&critic, {.derivatives = 2});
-  auto loss = sj::compile(&critic_loss, {.derivatives = 1});
-  const Step ref = torch_critic_step(data);
-  auto staged = [&] {
-    auto in = as_inputs(data);
-    return step_of(critic_loss_of(in, net(in)[0]), in);
-  };
-  auto whole = [&] {
-    auto in = as_inputs(data);
-    return step_of(loss(in)[0], in);
-  };
-  for (int call = 0; call < 2; ++call) {
-    CAPTURE(call);
-    Step s, w;
-    const ProductCount cs = count_products([&] { s = staged(); });
-    const ProductCount cw = count_products([&] { w = whole(); });
-    CHECK(max_rel(s.grads, ref.grads) < 1e-10);
-    CHECK(max_rel(w.grads, ref.grads) < 1e-10);
-    CHECK(std::abs(s.loss - ref.loss) <= 1e-10 * std::max(1.0, std::abs(ref.loss)));
-    CHECK(std::abs(w.loss - ref.loss) <= 1e-10 * std::max(1.0, std::abs(ref.loss)));
-    if (call == 0) continue;  // the first call traces and compiles: its products are not the step's
-    const std::string report = describe("staged compiled", cs) + describe("whole-loss compiled", cw);
-    INFO(report);
-    CHECK(cs.calls > 0);
-    CHECK(cs.unknown == cs.calls);
-    CHECK(cw.calls > 0);
-    CHECK(cw.unknown == cw.calls);
+  for (const bool relu : {false, true}) {
+    CAPTURE(relu);
+    sj::fusion::set_wait_for_kernels(true);  // every call with the kernels built: none runs a region untiled
+    const auto data = critic_data(1024, 8, 64);
+    auto net = sj::compile(relu ? &relu_critic : &critic, {.derivatives = 2});
+    auto loss = sj::compile(relu ? &relu_critic_loss : &critic_loss, {.derivatives = 1});
+    const Step ref = torch_critic_step_with(data, relu);
+    auto staged = [&] {
+      auto in = as_inputs(data);
+      return step_of(critic_loss_of(in, net(in)[0]), in);
+    };
+    auto whole = [&] {
+      auto in = as_inputs(data);
+      return step_of(loss(in)[0], in);
+    };
+    for (int call = 0; call < 2; ++call) {
+      CAPTURE(call);
+      Step s, w;
+      const ProductCount cs = count_products([&] { s = staged(); });
+      const ProductCount cw = count_products([&] { w = whole(); });
+      CHECK(max_rel(s.grads, ref.grads) < 1e-10);
+      CHECK(max_rel(w.grads, ref.grads) < 1e-10);
+      CHECK(std::abs(s.loss - ref.loss) <= 1e-10 * std::max(1.0, std::abs(ref.loss)));
+      CHECK(std::abs(w.loss - ref.loss) <= 1e-10 * std::max(1.0, std::abs(ref.loss)));
+      if (call == 0) continue;  // the first call traces and compiles: its products are not the step's
+      const std::string report = describe("staged compiled", cs) + describe("whole-loss compiled", cw);
+      INFO(report);
+      CHECK(cs.calls > 0);
+      CHECK(cs.unknown == cs.calls);
+      CHECK(cw.calls > 0);
+      CHECK(cw.unknown == cw.calls);
+    }
+    sj::fusion::set_wait_for_kernels(false);
   }
-  sj::fusion::set_wait_for_kernels(false);
 }
 
 }  // TEST_SUITE

@@ -41,7 +41,7 @@
 ///   default, `tiling::kMaxTiledWidth`): row;
 /// - t(row) read only as the first operand of mm(t(row), row): a reduction [K, M];
 /// - sum_to_size(row [N, C], [1, C] or [C]): a reduction;
-/// - another elementwise op on row and invariant inputs: row (run per tile as a
+/// - another elementwise op on row (Bool masks among them) and invariant inputs: row (run per tile as a
 ///   one-node kernel of the CPU fusion backend, or by ATen when the backend has none:
 ///   ATen's call costs more than the op on a tile);
 /// - narrow and cat along the columns of rows: row (per tile, each input's columns
@@ -274,10 +274,15 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
     }
     const ir::Op* op = n->get_if<ir::Op>();
     if (!op || op->id() == OpId::unknown) return RowLayout::Bad;
-    // Rows of another dtype (Bool masks) are read by fusion groups only.
-    for (std::size_t i = 0; i < in.size(); ++i)
-      if (in[i] == RowLayout::Row && tensor_of(n->inputs()[i])->dtype != *dtype) return RowLayout::Bad;
     const OpDef& def = ops::def(op->id());
+    // Rows of another dtype (Bool masks) are read by fusion groups and elementwise ops
+    // only: a lone masked_fill(g, mask, 0), ReLU's backward between two products, would
+    // otherwise split a region around it (a ReLU critic's whole loss ran its backward's
+    // products whole, 2026-12-06).
+    for (std::size_t i = 0; i < in.size(); ++i)
+      if (in[i] == RowLayout::Row && tensor_of(n->inputs()[i])->dtype != *dtype &&
+          !(def.elementwise && tensor_of(n->inputs()[i])->dtype == at::kBool))
+        return RowLayout::Bad;
     if (def.side_effects || n->inputs().empty()) return RowLayout::Bad;
     // Nodes reading no row run outside (before the region, or after the region whose
     // reduction they read).

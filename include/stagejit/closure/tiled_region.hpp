@@ -161,10 +161,12 @@ class TiledRegionRunner {
       } else {
         tiling::RowOpStep row_op{&ops::def(op->id()), ::stagejit::detail::to_core_attributes(op->attributes), {}};
         const ir::TensorType* out = n->outputs()[0]->tensor_type();
-        bool same_dtype = out && out->dtype == region_.dtype;
+        // Inputs of the region's dtype, or Bool masks (masked_fill's).
+        bool kernel_dtypes = out && out->dtype == region_.dtype;
         for (ir::Value* v : n->inputs())
-          same_dtype = same_dtype && v->tensor_type() && v->tensor_type()->dtype == region_.dtype;
-        if (passes::detail::is_fusable(*n) && same_dtype && out->sizes.size() == 2 && out->sizes[0] == region_.rows) {
+          kernel_dtypes = kernel_dtypes && v->tensor_type() &&
+                       (v->tensor_type()->dtype == region_.dtype || v->tensor_type()->dtype == at::kBool);
+        if (passes::detail::is_fusable(*n) && kernel_dtypes && out->sizes.size() == 2 && out->sizes[0] == region_.rows) {
           // Per tile, ATen's call costs more than the op (from_blob, dispatch, a copy).
           auto sub = std::make_shared<ir::Graph>();
           ir::ValueList args;
@@ -713,7 +715,7 @@ variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, co
           continue;
         }
         const View x = view(v, r0);
-        args.push_back(at::from_blob(x.data, {rows, val.cols}, {x.s0, x.s1}, options));
+        args.push_back(at::from_blob(x.data, {rows, val.cols}, {x.s0, x.s1}, options.dtype(val.dtype)));
       }
       at::Tensor r = ops::run_forward(*op.op, args, op.attrs).at(0);
       const View O = view(step->out[0], r0);
