@@ -35,7 +35,7 @@
 ///   broadcast is invariant;
 /// - FusionGroup: row outputs [N, C] (one C; Bool masks among them), inputs row (Bool
 ///   masks among them, made inside or outside the region) or broadcastable invariants;
-///   only fusion groups read a Bool mask;
+///   fusion groups and elementwise ops read Bool masks, no other node does;
 /// - mm (or matmul of two matrices) (row [N, K], invariant [K, M]) and addmm(invariant
 ///   bias, row, invariant) with beta = alpha = 1 and K, M <= `max_width` (128 by
 ///   default, `tiling::kMaxTiledWidth`): row;
@@ -254,11 +254,12 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
       if (n->inputs().size() + n->outputs().size() > tiling::kMaxTiledKernelArgs) return RowLayout::Bad;
       const int64_t C = out->sizes.size() == 2 ? out->sizes[1] : -1;
       for (ir::Value* o : n->outputs()) {
-        // Rows of the region's dtype, or a Bool mask (a comparison a later group reads:
-        // leaky ReLU's forward and backward write one for the stages after them): its rows
-        // are written tile by tile like any other, read by the region's groups, or written
-        // out whole for the outside. (Kept outside, such a group split a critic's stages into
-        // regions of one product each, which ran whole: bench/higher_order.md, 2026-12-07.)
+        // Rows of the region's dtype, or a Bool mask (a comparison that a later group or
+        // elementwise op reads: leaky ReLU's forward and backward write one for the nodes
+        // after them): its rows are written tile by tile like any other, read inside the
+        // region, or written out whole for the outside. (Kept outside, such a group split a
+        // critic's stages into regions of one product each, which ran whole:
+        // bench/higher_order.md, 2026-12-06.)
         const ir::TensorType* t = tensor_of(o);
         const bool mask = t && t->dtype == at::kBool && t->sizes.size() == 2 && t->sizes[0] == N && t->device.is_cpu();
         if ((!is_row_type(t) && !mask) || t->sizes[1] != C || !t->is_contiguous()) return RowLayout::Bad;
