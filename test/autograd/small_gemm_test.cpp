@@ -17,6 +17,16 @@ double rel_diff(const at::Tensor& a, const at::Tensor& b) {
   return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item<double>();
 }
 
+// A product LIBXSMM refuses: taken by oneDNN (and equal to ATen's) when it is float with
+// at least 2^20 multiply-adds and oneDNN is built in, refused otherwise.
+void check_refused_unless_dnnl(const at::Tensor& a, const at::Tensor& b) {
+  const bool dnnl = a.scalar_type() == at::kFloat && sj::ops::dnnl_mm_enabled() &&
+                    a.size(0) * a.size(1) * b.size(1) >= (int64_t{1} << 20);
+  auto p = sj::ops::small_mm(a, b);
+  CHECK(p.has_value() == dnnl);
+  if (p) CHECK(rel_diff(*p, at::mm(a, b)) <= 1e-5);
+}
+
 }  // namespace
 
 TEST_SUITE("autograd") {
@@ -61,14 +71,14 @@ TEST_CASE("small_mm equals ATen's mm for thin and medium products in every dense
       REQUIRE(p.has_value());
       CHECK(rel_diff(*p, at::mm(h.t(), g)) <= tol);
       // A `g` with dense columns is copied whole first: taken while it is at most 32 KiB
-      // (a classifier's W^T), left to ATen past that.
+      // (a classifier's W^T), left to ATen (or oneDNN) past that.
       at::Tensor gt = at::randn({7, K}, dtype).t();
-      auto q = sj::ops::small_mm(h.t(), gt);
       if (K * 7 * gt.element_size() <= 32 * 1024) {
+        auto q = sj::ops::small_mm(h.t(), gt);
         REQUIRE(q.has_value());
         CHECK(rel_diff(*q, at::mm(h.t(), gt)) <= tol);
       } else {
-        CHECK_FALSE(q.has_value());
+        check_refused_unless_dnnl(h.t(), gt);
       }
     }
     // Medium (Note [Medium products]): layers of 128-256 units on 128 to 2 000 rows, with
@@ -107,25 +117,72 @@ TEST_CASE("small_mm equals ATen's mm for thin and medium products in every dense
         at::Tensor wt = at::randn({N, 512}, dtype).t();
         REQUIRE(sj::ops::small_mm(a, wt).has_value());
         CHECK(rel_diff(*sj::ops::small_mm(a, wt), at::mm(a, wt)) <= tol);
-        CHECK_FALSE(sj::ops::small_mm(at::randn({512, 1000}, dtype).t(), w).has_value());
+        check_refused_unless_dnnl(at::randn({512, 1000}, dtype).t(), w);
       }
     }
     // Past the medium bounds: rows of A over 2 KiB, A transposed with K
     // over 512, under 128 rows.
     const int64_t wide = dtype == at::kFloat ? 512 : 256;
-    CHECK_FALSE(sj::ops::small_mm(at::randn({1000, 2 * wide}, dtype), at::randn({2 * wide, wide}, dtype)).has_value());
-    CHECK_FALSE(sj::ops::small_mm(at::randn({1024, 256}, dtype).t(), at::randn({1024, 64}, dtype)).has_value());
-    CHECK_FALSE(sj::ops::small_mm(at::randn({100, 128}, dtype), at::randn({128, 128}, dtype)).has_value());
+    check_refused_unless_dnnl(at::randn({1000, 2 * wide}, dtype), at::randn({2 * wide, wide}, dtype));
+    check_refused_unless_dnnl(at::randn({1024, 256}, dtype).t(), at::randn({1024, 64}, dtype));
+    check_refused_unless_dnnl(at::randn({100, 128}, dtype), at::randn({128, 128}, dtype));
   }
   // Refused: small or square shapes, broadcast (stride-0) operands, other dtypes, mixed
   // dtypes, operands that require grad, non-2-D operands.
   CHECK_FALSE(sj::ops::small_mm(at::randn({100, 20}), at::randn({20, 20})).has_value());
+  CHECK_FALSE(sj::ops::small_mm(at::randn({64, 64}), at::randn({64, 64})).has_value());  // under 2^20 multiply-adds
+  CHECK_FALSE(sj::ops::small_mm(at::randn({20}).expand({1000, 20}), at::randn({20, 512})).has_value());
   CHECK_FALSE(sj::ops::small_mm(at::randn({512, 512}, at::kDouble), at::randn({512, 512}, at::kDouble)).has_value());
   CHECK_FALSE(sj::ops::small_mm(at::randn({20}).expand({1000, 20}), at::randn({20, 20})).has_value());
   CHECK_FALSE(sj::ops::small_mm(at::randn({1000, 20}).to(at::kHalf), at::randn({20, 20}).to(at::kHalf)).has_value());
   CHECK_FALSE(sj::ops::small_mm(at::randn({1000, 20}), at::randn({20, 20}, at::kDouble)).has_value());
   CHECK_FALSE(sj::ops::small_mm(at::randn({1000, 20}).set_requires_grad(true), at::randn({20, 20})).has_value());
   CHECK_FALSE(sj::ops::small_mm(at::randn({2, 1000, 20}), at::randn({20, 20})).has_value());
+}
+
+TEST_CASE("small_mm runs wide float products through oneDNN, equal to ATen's mm in every dense layout") {
+  at::manual_seed(12);
+  if (!sj::ops::dnnl_mm_enabled()) {
+    MESSAGE("stagejit built without oneDNN (or STAGEJIT_DNNL_SGEMM=0): wide products go to ATen");
+    CHECK_FALSE(sj::ops::small_mm(at::randn({1000, 1024}), at::randn({1024, 1024})).has_value());
+    return;
+  }
+  // Layers of 512 and 1 024 units (B 1 MiB and more), the weight gradients h^T g of
+  // layers LIBXSMM leaves to ATen (K = 2 000 rows, and a first layer of 32 inputs), row
+  // counts that are no multiple of any block.
+  for (auto [M, K, N] : {std::array<int64_t, 3>{2000, 512, 512}, {1000, 1024, 1024}, {333, 768, 200},
+                         {512, 2000, 512}, {32, 2000, 512}, {256, 1999, 130}}) {
+    CAPTURE(M);
+    CAPTURE(K);
+    CAPTURE(N);
+    const at::Tensor w = at::randn({K, N}), wt = at::randn({N, K}).t();
+    const at::Tensor a = at::randn({M, K}), at_ = at::randn({K, M}).t();
+    const at::Tensor padded = at::randn({M, K + 3}).narrow(1, 1, K);  // lda = K + 3
+    for (const at::Tensor* x : {&a, &at_, &padded})
+      for (const at::Tensor* y : {&w, &wt}) {
+        auto p = sj::ops::small_mm(*x, *y);
+        REQUIRE(p.has_value());
+        CHECK(p->is_contiguous());
+        CHECK((p->scalar_type() == at::kFloat));
+        CHECK(rel_diff(*p, at::mm(*x, *y)) <= 1e-5);
+      }
+    // Doubles stay with ATen (oneDNN has no dgemm) unless LIBXSMM's medium blocks take them.
+    if (K * N * 8 > 512 * 1024)
+      CHECK_FALSE(sj::ops::small_mm(a.to(at::kDouble), w.to(at::kDouble)).has_value());
+  }
+  // An operand with neither dense rows nor dense columns is left to ATen.
+  CHECK_FALSE(sj::ops::small_mm(at::randn({2000, 1024}).slice(1, 0, 1024, 2), at::randn({512, 512})).has_value());
+  // The mm op (eager autograd) through it: values and gradients equal libtorch's.
+  const at::Tensor xa = at::randn({600, 512}), wa = at::randn({512, 512});
+  sj::Variable x(xa.clone(), true), wv(wa.clone(), true);
+  auto y = sj::mm(x, wv);
+  auto g = sj::grad({sj::sum(sj::mul(y, y))}, {x, wv});
+  auto tx = xa.clone().set_requires_grad(true), tw = wa.clone().set_requires_grad(true);
+  auto ty = torch::mm(tx, tw);
+  auto tg = torch::autograd::grad({(ty * ty).sum()}, {tx, tw});
+  CHECK(rel_diff(y.data(), ty.detach()) <= 1e-5);
+  CHECK(rel_diff(g[0].data(), tg[0]) <= 1e-5);
+  CHECK(rel_diff(g[1].data(), tg[1]) <= 1e-5);
 }
 
 TEST_CASE("mm and addmm on thin shapes: values and gradients equal libtorch's") {

@@ -29,6 +29,9 @@
 #if defined(STAGEJIT_HAVE_LIBXSMM)
 #include <libxsmm.h>
 #endif
+#if defined(STAGEJIT_HAVE_DNNL)
+#include <oneapi/dnnl/dnnl.h>
+#endif
 
 namespace stagejit::ops {
 
@@ -240,6 +243,69 @@ STAGEJIT_FUNC std::optional<at::Tensor> run(const at::Tensor& a, const at::Tenso
 
 #endif  // STAGEJIT_HAVE_LIBXSMM
 
+// Note [Wide float products through oneDNN]
+// Past the shapes LIBXSMM's blocking wins on, a float product goes to oneDNN's `sgemm`
+// (Debian's libdnnl, which ATen already loads for its mkldnn ops) rather than to ATen's
+// BLAS (OpenBLAS). Measured on one Ice Lake core, float, GFLOP/s OpenBLAS / LIBXSMM /
+// oneDNN (bench/higher_order.md, "Wide products through oneDNN"):
+// - weight gradients A^T [w,2000]^T x [2000,w], which LIBXSMM never takes: 114 / - / 166
+//   at w = 192, 116 / - / 152 at 256, 114 / - / 156 at 384, 122 / - / 140 at 512, and
+//   84 / - / 147 for [32,2000]^T x [2000,512];
+// - [2000,w] x [w,w] (and x W^T): 120 / 161 / 152 at 256, 121 / 153 / 140 at 384, 115 /
+//   142 / 129 at 448 (LIBXSMM in column passes), 122 / 131 / 156 at 512, 128 / - / 156 at
+//   768, 128 / - / 151 for [1000,1024] x [1024,1024].
+// So LIBXSMM keeps the thin and medium products whose B is under kDnnlMinBBytes (1 MiB:
+// w < 512) and oneDNN takes every other float product of at least kDnnlMinMacs
+// multiply-adds (below that its call costs more than OpenBLAS's: [64,64] x [64,64] 119
+// against 146, [32,100] x [100,40] 33 against 50); doubles stay with ATen (oneDNN has no
+// dgemm). oneDNN runs on the caller's OpenMP thread count, which
+// `at::internal::lazy_init_num_threads` sets to ATen's first (`at::set_num_threads`).
+constexpr int64_t kDnnlMinBBytes = int64_t{1} << 20;
+constexpr int64_t kDnnlMinMacs = int64_t{1} << 20;
+
+STAGEJIT_FUNC bool dnnl_enabled_by_environment() {
+  static const bool on = [] {
+    const char* v = std::getenv("STAGEJIT_DNNL_SGEMM");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
+#if defined(STAGEJIT_HAVE_DNNL)
+// One operand of a row-major `sgemm`: 'N' when its rows are dense (ld = stride(0)), 'T'
+// when its columns are (ld = stride(1)), or nothing.
+struct DnnlOperand {
+  bool ok = false;
+  char trans = 'N';
+  int64_t ld = 0;
+};
+STAGEJIT_FUNC DnnlOperand dnnl_operand(const at::Tensor& t) {
+  const int64_t r = t.size(0), c = t.size(1);
+  int64_t s0 = t.stride(0), s1 = t.stride(1);
+  if (r == 1) s0 = c;  // the stride of a size-1 dimension is never used
+  if (c == 1) s1 = 1;
+  if (s1 == 1 && s0 >= std::max<int64_t>(c, 1)) return {true, 'N', s0};
+  if (s0 == 1 && s1 >= std::max<int64_t>(r, 1)) return {true, 'T', s1};
+  return {};
+}
+
+// `a @ b` (float, 2-D, checked by `small_mm`) through oneDNN's row-major `sgemm`, or
+// nullopt when an operand is neither row- nor column-dense or oneDNN refuses the call.
+STAGEJIT_FUNC std::optional<at::Tensor> run_dnnl(const at::Tensor& a, const at::Tensor& b) {
+  const DnnlOperand A = dnnl_operand(a), B = dnnl_operand(b);
+  if (!A.ok || !B.ok) return std::nullopt;
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  at::internal::lazy_init_num_threads();  // this thread's OpenMP count from ATen's
+  at::Tensor c = at::empty({M, N}, a.options().memory_format(at::MemoryFormat::Contiguous));
+  RECORD_FUNCTION("stagejit::small_mm", std::vector<c10::IValue>({a, b}));
+  // beta = 0: C is written, not read.
+  if (dnnl_sgemm(A.trans, B.trans, M, N, K, 1.0f, a.data_ptr<float>(), A.ld, b.data_ptr<float>(), B.ld, 0.0f,
+                 c.data_ptr<float>(), N) != dnnl_success)
+    return std::nullopt;
+  return c;
+}
+#endif  // STAGEJIT_HAVE_DNNL
+
 // `small_mm_raw` for either dtype.
 template <class T>
 bool raw_entry(const T* a, int64_t a_s0, int64_t a_s1, const T* b, int64_t b_s0, int64_t b_s1, T* c, int64_t ldc,
@@ -279,25 +345,50 @@ STAGEJIT_FUNC bool small_mm_enabled() noexcept {
 #endif
 }
 
+STAGEJIT_FUNC bool dnnl_mm_enabled() noexcept {
+#if defined(STAGEJIT_HAVE_DNNL)
+  return detail::small_gemm_impl::dnnl_enabled_by_environment();
+#else
+  return false;
+#endif
+}
+
 STAGEJIT_FUNC std::optional<at::Tensor> small_mm(const at::Tensor& a, const at::Tensor& b) {
-#if defined(STAGEJIT_HAVE_LIBXSMM)
-  if (!detail::small_gemm_impl::enabled_by_environment()) return std::nullopt;
+  namespace impl = detail::small_gemm_impl;
+#if defined(STAGEJIT_HAVE_LIBXSMM) || defined(STAGEJIT_HAVE_DNNL)
   if (!a.defined() || !b.defined() || a.layout() != at::kStrided || b.layout() != at::kStrided ||
       !a.has_storage() || !b.has_storage() || a._is_zerotensor() || b._is_zerotensor() ||
       a.dim() != 2 || b.dim() != 2 || !a.device().is_cpu() ||
       !b.device().is_cpu() || a.scalar_type() != b.scalar_type() || a.size(1) != b.size(0) ||
       a.requires_grad() || b.requires_grad() || a.is_conj() || b.is_conj() || a.is_neg() || b.is_neg())
     return std::nullopt;
-  if (a.numel() == 0 || b.numel() == 0 || !detail::small_gemm_impl::thin_product(a, b)) return std::nullopt;
+  if (a.numel() == 0 || b.numel() == 0) return std::nullopt;
   if (a.scalar_type() != at::kFloat && a.scalar_type() != at::kDouble) return std::nullopt;
-  // Seen by ATen's profilers and RecordFunction callbacks (bench/pinn's GEMM share) as
-  // one product, like aten::mm.
-  RECORD_FUNCTION("stagejit::small_mm", std::vector<c10::IValue>({a, b}));
-  switch (a.scalar_type()) {
-    case at::kFloat: return detail::small_gemm_impl::run<float>(a, b);
-    case at::kDouble: return detail::small_gemm_impl::run<double>(a, b);
-    default: return std::nullopt;
+#if defined(STAGEJIT_HAVE_LIBXSMM)
+  // Note [Wide float products through oneDNN]: LIBXSMM keeps a float product only while
+  // its B is under kDnnlMinBBytes, when oneDNN can take it.
+  const bool to_dnnl =
+#if defined(STAGEJIT_HAVE_DNNL)
+      a.scalar_type() == at::kFloat && impl::dnnl_enabled_by_environment() &&
+      b.size(0) * b.size(1) * b.element_size() >= impl::kDnnlMinBBytes;
+#else
+      false;
+#endif
+  if (!to_dnnl && impl::enabled_by_environment() && impl::thin_product(a, b)) {
+    // Seen by ATen's profilers and RecordFunction callbacks (bench/pinn's GEMM share) as
+    // one product, like aten::mm.
+    RECORD_FUNCTION("stagejit::small_mm", std::vector<c10::IValue>({a, b}));
+    auto c = a.scalar_type() == at::kFloat ? impl::run<float>(a, b) : impl::run<double>(a, b);
+    if (c) return c;
   }
+#endif
+#if defined(STAGEJIT_HAVE_DNNL)
+  // Sizes as doubles: M * K * N can overflow int64_t.
+  if (a.scalar_type() == at::kFloat && impl::dnnl_enabled_by_environment() &&
+      double(a.size(0)) * double(a.size(1)) * double(b.size(1)) >= double(impl::kDnnlMinMacs))
+    return impl::run_dnnl(a, b);
+#endif
+  return std::nullopt;
 #else
   (void)a;
   (void)b;
