@@ -254,8 +254,11 @@ STAGEJIT_FUNC std::optional<at::Tensor> run(const at::Tensor& a, const at::Tenso
 // - [2000,w] x [w,w] (and x W^T): 120 / 161 / 152 at 256, 121 / 153 / 140 at 384, 115 /
 //   142 / 129 at 448 (LIBXSMM in column passes), 122 / 131 / 156 at 512, 128 / - / 156 at
 //   768, 128 / - / 151 for [1000,1024] x [1024,1024].
-// So LIBXSMM keeps the thin and medium products whose B is under kDnnlMinBBytes (1 MiB:
-// w < 512) and oneDNN takes every other float product of at least kDnnlMinMacs
+// Thin products stay with LIBXSMM whatever B's size (a reduction's B is [rows, N]): it
+// runs them faster, float [64,20000]^T x [20000,64] 76 against oneDNN's 66, [10000,32] x
+// [32,64] 109 against 87, [50,4000]^T x [4000,50] 69 against 55.
+// So LIBXSMM keeps the thin products, and the medium ones whose B is under kDnnlMinBBytes
+// (1 MiB: w < 512), and oneDNN takes every other float product of at least kDnnlMinMacs
 // multiply-adds (below that its call costs more than OpenBLAS's: [64,64] x [64,64] 119
 // against 146, [32,100] x [100,40] 33 against 50); doubles stay with ATen (oneDNN has no
 // dgemm). oneDNN runs on the caller's OpenMP thread count, which
@@ -365,12 +368,14 @@ STAGEJIT_FUNC std::optional<at::Tensor> small_mm(const at::Tensor& a, const at::
   if (a.numel() == 0 || b.numel() == 0) return std::nullopt;
   if (a.scalar_type() != at::kFloat && a.scalar_type() != at::kDouble) return std::nullopt;
 #if defined(STAGEJIT_HAVE_LIBXSMM)
-  // Note [Wide float products through oneDNN]: LIBXSMM keeps a float product only while
-  // its B is under kDnnlMinBBytes, when oneDNN can take it.
+  // Note [Wide float products through oneDNN]: LIBXSMM keeps its thin float products, and
+  // its medium ones while B is under kDnnlMinBBytes, when oneDNN can take them.
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  const bool thin = (K <= impl::kSmall && N <= impl::kSmall) || (M <= impl::kSmall && N <= impl::kSmall);
   const bool to_dnnl =
 #if defined(STAGEJIT_HAVE_DNNL)
-      a.scalar_type() == at::kFloat && impl::dnnl_enabled_by_environment() &&
-      b.size(0) * b.size(1) * b.element_size() >= impl::kDnnlMinBBytes;
+      a.scalar_type() == at::kFloat && impl::dnnl_enabled_by_environment() && !thin &&
+      K * N * int64_t(b.element_size()) >= impl::kDnnlMinBBytes;
 #else
       false;
 #endif

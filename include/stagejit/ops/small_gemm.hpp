@@ -30,8 +30,8 @@ namespace stagejit::ops {
 /// of its columns that fit, so that each stays in the L2 cache: Note [Medium products]
 /// in ops/small_gemm-inl.hpp), with each
 /// operand's rows or columns dense (the other stride is the leading dimension).
-/// Float products past those shapes, and float ones whose `b` is 1 MiB or more (w >= 512
-/// units), go to oneDNN's `sgemm` instead when it is built in (`STAGEJIT_HAVE_DNNL`),
+/// Float products past those shapes, and medium float ones whose `b` is 1 MiB or more
+/// (w >= 512 units), go to oneDNN's `sgemm` instead when it is built in (`STAGEJIT_HAVE_DNNL`),
 /// `$STAGEJIT_DNNL_SGEMM` is not `0`, the product has at least 2^20 multiply-adds and
 /// each operand has dense rows or columns: 15-45 % faster than OpenBLAS on weight
 /// gradients and 20-25 % on layers of 512 units or more (Note [Wide float products
