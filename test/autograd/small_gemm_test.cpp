@@ -1,10 +1,15 @@
 // Thin matrix products through LIBXSMM (ops/small_gemm.hpp) against ATen's mm, for every
 // layout the kernels read in place, tails of both blockings, both dtypes, and the shapes
-// they must refuse; and the mm / addmm ops that use them, with their gradients.
+// they must refuse; wide float products through oneDNN; and the mm / addmm ops that use
+// them, with their gradients.
 #include <stagejit/stagejit.hpp>
 #include <stagejit/ops/small_gemm.hpp>
 
+#include <ATen/record_function.h>
+
 #include <array>
+#include <atomic>
+#include <string_view>
 #include <stagejit/testing/doctest.hpp>
 
 #include "oracle.hpp"
@@ -17,11 +22,13 @@ double rel_diff(const at::Tensor& a, const at::Tensor& b) {
   return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item<double>();
 }
 
-// A product LIBXSMM refuses: taken by oneDNN (and equal to ATen's) when it is float with
-// at least 2^20 multiply-adds and oneDNN is built in, refused otherwise.
+// A product LIBXSMM refuses: taken by oneDNN (and equal to ATen's) when it is float, not
+// thin (K, N <= 64 or M, N <= 64), with at least 2^20 multiply-adds, and oneDNN is built
+// in; refused otherwise.
 void check_refused_unless_dnnl(const at::Tensor& a, const at::Tensor& b) {
-  const bool dnnl = a.scalar_type() == at::kFloat && sj::ops::dnnl_mm_enabled() &&
-                    a.size(0) * a.size(1) * b.size(1) >= (int64_t{1} << 20);
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  const bool thin = (K <= 64 && N <= 64) || (M <= 64 && N <= 64);
+  const bool dnnl = a.scalar_type() == at::kFloat && sj::ops::dnnl_mm_enabled() && !thin && M * K * N >= (int64_t{1} << 20);
   auto p = sj::ops::small_mm(a, b);
   CHECK(p.has_value() == dnnl);
   if (p) CHECK(rel_diff(*p, at::mm(a, b)) <= 1e-5);
@@ -104,11 +111,12 @@ TEST_CASE("small_mm equals ATen's mm for thin and medium products in every dense
         CHECK(rel_diff(*sj::ops::small_mm(at_, w), at::mm(at_, w)) <= tol);
       }
     }
-    // B over 512 KiB with A's rows at most 2 KiB: passes over column blocks (256 float
-    // columns at K = 512, so N = 600 leaves a tail block of 88; rows not a multiple of 64),
-    // A by rows and W^T copied dense; not with A transposed.
+    // B over 512 KiB and under 1 MiB (past it oneDNN takes float products) with A's rows
+    // at most 2 KiB: passes over column blocks (256 float columns at K = 512, so N = 300
+    // and 400 leave tail blocks of 44 and 144; rows not a multiple of 64), A by rows and
+    // W^T copied dense; not with A transposed.
     if (dtype == at::kFloat) {
-      for (int64_t N : {512, 600}) {
+      for (int64_t N : {300, 400}) {
         CAPTURE(N);
         at::Tensor a = at::randn({1000, 512}, dtype), w = at::randn({512, N}, dtype);
         auto p = sj::ops::small_mm(a, w);
@@ -170,13 +178,48 @@ TEST_CASE("small_mm runs wide float products through oneDNN, equal to ATen's mm 
     if (K * N * 8 > 512 * 1024)
       CHECK_FALSE(sj::ops::small_mm(a.to(at::kDouble), w.to(at::kDouble)).has_value());
   }
+  // Padded leading dimensions of column-dense operands (lda > M, ldb > K), a B with a
+  // storage offset, M = 1 (exactly 2^20 multiply-adds) and N = 1 (a column slice).
+  {
+    const at::Tensor a = at::randn({700, 600 + 3}).narrow(1, 1, 600).t();  // [600, 700], ld 603
+    const at::Tensor b = at::randn({900, 700 + 5}).narrow(1, 2, 700).t();  // [700, 900], ld 705
+    const at::Tensor bo = at::randn({701 * 900}).narrow(0, 900, 700 * 900).view({700, 900});
+    for (const at::Tensor* y : {&b, &bo}) {
+      auto p = sj::ops::small_mm(a, *y);
+      REQUIRE(p.has_value());
+      CHECK(rel_diff(*p, at::mm(a, *y)) <= 1e-5);
+    }
+    const at::Tensor row = at::randn({1, 1024}), w = at::randn({1024, 1024});
+    REQUIRE(sj::ops::small_mm(row, w).has_value());
+    CHECK(rel_diff(*sj::ops::small_mm(row, w), at::mm(row, w)) <= 1e-5);
+    const at::Tensor x = at::randn({2000, 2000}), col = at::randn({2000, 3}).narrow(1, 1, 1);
+    REQUIRE(sj::ops::small_mm(x, col).has_value());
+    CHECK(rel_diff(*sj::ops::small_mm(x, col), at::mm(x, col)) <= 1e-5);
+  }
+  // A thin product LIBXSMM refuses (a reduction whose B, read transposed, is over 32 KiB)
+  // goes to ATen, not to oneDNN.
+  CHECK_FALSE(sj::ops::small_mm(at::randn({10000, 20}).t(), at::randn({7, 10000}).t()).has_value());
   // An operand with neither dense rows nor dense columns is left to ATen.
   CHECK_FALSE(sj::ops::small_mm(at::randn({2000, 1024}).slice(1, 0, 1024, 2), at::randn({512, 512})).has_value());
-  // The mm op (eager autograd) through it: values and gradients equal libtorch's.
+  // The mm op (eager autograd) through it: values and gradients equal libtorch's, and its
+  // three products (y, and both gradients) all ran as stagejit::small_mm.
   const at::Tensor xa = at::randn({600, 512}), wa = at::randn({512, 512});
   sj::Variable x(xa.clone(), true), wv(wa.clone(), true);
+  static std::atomic<int> ours{0}, atens{0};
+  auto handle = at::addGlobalCallback(at::RecordFunctionCallback(
+      [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+        const std::string_view name = fn.name();
+        if (name == "stagejit::small_mm") ++ours;
+        if (name == "aten::mm") ++atens;
+        return nullptr;
+      }));
+  ours = 0;
+  atens = 0;
   auto y = sj::mm(x, wv);
   auto g = sj::grad({sj::sum(sj::mul(y, y))}, {x, wv});
+  at::removeCallback(handle);
+  CHECK(ours.load() == 3);
+  CHECK(atens.load() == 0);
   auto tx = xa.clone().set_requires_grad(true), tw = wa.clone().set_requires_grad(true);
   auto ty = torch::mm(tx, tw);
   auto tg = torch::autograd::grad({(ty * ty).sum()}, {tx, tw});

@@ -254,8 +254,8 @@ STAGEJIT_FUNC std::optional<at::Tensor> run(const at::Tensor& a, const at::Tenso
 // - [2000,w] x [w,w] (and x W^T): 120 / 161 / 152 at 256, 121 / 153 / 140 at 384, 115 /
 //   142 / 129 at 448 (LIBXSMM in column passes), 122 / 131 / 156 at 512, 128 / - / 156 at
 //   768, 128 / - / 151 for [1000,1024] x [1024,1024].
-// Thin products stay with LIBXSMM whatever B's size (a reduction's B is [rows, N]): it
-// runs them faster, float [64,20000]^T x [20000,64] 76 against oneDNN's 66, [10000,32] x
+// Thin products (K, N <= 64, or M, N <= 64) never go to oneDNN, whatever B's size (a
+// reduction's B is [rows, N]): LIBXSMM runs them faster, or ATen where it refuses them, float [64,20000]^T x [20000,64] 76 against oneDNN's 66, [10000,32] x
 // [32,64] 109 against 87, [50,4000]^T x [4000,50] 69 against 55.
 // So LIBXSMM keeps the thin products, and the medium ones whose B is under kDnnlMinBBytes
 // (1 MiB: w < 512), and oneDNN takes every other float product of at least kDnnlMinMacs
@@ -367,19 +367,22 @@ STAGEJIT_FUNC std::optional<at::Tensor> small_mm(const at::Tensor& a, const at::
     return std::nullopt;
   if (a.numel() == 0 || b.numel() == 0) return std::nullopt;
   if (a.scalar_type() != at::kFloat && a.scalar_type() != at::kDouble) return std::nullopt;
-#if defined(STAGEJIT_HAVE_LIBXSMM)
-  // Note [Wide float products through oneDNN]: LIBXSMM keeps its thin float products, and
-  // its medium ones while B is under kDnnlMinBBytes, when oneDNN can take them.
+  // Note [Wide float products through oneDNN]: thin products are LIBXSMM's or ATen's;
+  // LIBXSMM keeps its medium float products while B is under kDnnlMinBBytes, when oneDNN
+  // can take them.
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
-  const bool thin = (K <= impl::kSmall && N <= impl::kSmall) || (M <= impl::kSmall && N <= impl::kSmall);
-  const bool to_dnnl =
+  [[maybe_unused]] const bool thin =
+      (K <= impl::kSmall && N <= impl::kSmall) || (M <= impl::kSmall && N <= impl::kSmall);
 #if defined(STAGEJIT_HAVE_DNNL)
-      a.scalar_type() == at::kFloat && impl::dnnl_enabled_by_environment() && !thin &&
-      K * N * int64_t(b.element_size()) >= impl::kDnnlMinBBytes;
+  // Sizes as doubles: M * K * N can overflow int64_t.
+  const bool dnnl_shape = a.scalar_type() == at::kFloat && !thin && impl::dnnl_enabled_by_environment() &&
+                          double(M) * double(K) * double(N) >= double(impl::kDnnlMinMacs);
 #else
-      false;
+  const bool dnnl_shape = false;
 #endif
-  if (!to_dnnl && impl::enabled_by_environment() && impl::thin_product(a, b)) {
+#if defined(STAGEJIT_HAVE_LIBXSMM)
+  if (!(dnnl_shape && K * N * int64_t(b.element_size()) >= impl::kDnnlMinBBytes) && impl::enabled_by_environment() &&
+      impl::thin_product(a, b)) {
     // Seen by ATen's profilers and RecordFunction callbacks (bench/pinn's GEMM share) as
     // one product, like aten::mm.
     RECORD_FUNCTION("stagejit::small_mm", std::vector<c10::IValue>({a, b}));
@@ -388,10 +391,7 @@ STAGEJIT_FUNC std::optional<at::Tensor> small_mm(const at::Tensor& a, const at::
   }
 #endif
 #if defined(STAGEJIT_HAVE_DNNL)
-  // Sizes as doubles: M * K * N can overflow int64_t.
-  if (a.scalar_type() == at::kFloat && impl::dnnl_enabled_by_environment() &&
-      double(a.size(0)) * double(a.size(1)) * double(b.size(1)) >= double(impl::kDnnlMinMacs))
-    return impl::run_dnnl(a, b);
+  if (dnnl_shape) return impl::run_dnnl(a, b);
 #endif
   return std::nullopt;
 #else
