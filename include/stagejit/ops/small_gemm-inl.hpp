@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -123,6 +124,38 @@ struct Kernels<double> {
   }
 };
 
+// Note [Kernel lookups per thread]
+// A row-tiled stage calls `small_mm_raw` once per product and tile: a PINN step makes
+// 3 000-8 600 such calls, each asking LIBXSMM for one to four kernels. LIBXSMM's registry
+// (a descriptor built, hashed and compared: `libxsmm_sgemm_descriptor_init`,
+// `libxsmm_diff_n`, `internal_find_code`) took 1.3-1.6 % of the Burgers and MAML steps'
+// samples (`perf record`, bench/higher_order.md, 2026-12-07). So each thread keeps the
+// last kernels it got in a small direct-mapped table keyed by the whole request; a miss
+// asks LIBXSMM. Its kernels live until `libxsmm_finalize`, which stagejit never calls.
+template <class T>
+typename Kernels<T>::Fn cached_kernel(int m, int n, int k, int lda, int ldb, int ldc, T beta, int flags) {
+  using Fn = typename Kernels<T>::Fn;
+  struct Entry {
+    int key[7];
+    T beta;
+    Fn fn;
+  };
+  constexpr std::size_t kEntries = 64;
+  thread_local Entry table[kEntries] = {};
+  const int key[7] = {m, n, k, lda, ldb, ldc, flags};
+  std::uint64_t h = static_cast<std::uint64_t>(beta != T(0));
+  for (int v : key) h = (h ^ static_cast<std::uint32_t>(v)) * 0x9E3779B97F4A7C15ull;
+  Entry& e = table[(h >> 58) & (kEntries - 1)];
+  if (e.fn && e.beta == beta && std::memcmp(e.key, key, sizeof key) == 0) return e.fn;
+  const Fn fn = Kernels<T>::get(m, n, k, lda, ldb, ldc, beta, flags);
+  if (fn) {
+    std::memcpy(e.key, key, sizeof key);
+    e.beta = beta;
+    e.fn = fn;
+  }
+  return fn;
+}
+
 // Columns of C (and B) per pass of a medium product (Note [Medium products]), 0 when it
 // is not one: all N when B fits kMediumBytes, else the widest multiple of 16 whose slice
 // of B does (at least 256, as rows of A are at most kMediumRowBytes long).
@@ -182,7 +215,7 @@ bool run_raw(const T* pa, int64_t a_s0, int64_t a_s1, const T* pb, int64_t b_s0,
     const int64_t rest = M % kRowBlock, column_rest = N % columns;
     using Fn = typename Kernels<T>::Fn;
     auto kernel = [&](int64_t cols, int64_t rows) -> Fn {
-      return Kernels<T>::get(static_cast<int>(cols), static_cast<int>(rows), static_cast<int>(K), lda, ldb, ldci,
+      return cached_kernel<T>(static_cast<int>(cols), static_cast<int>(rows), static_cast<int>(K), lda, ldb, ldci,
                              beta0, flags);
     };
     // [column block: full, tail][row block: full, tail]
@@ -212,9 +245,9 @@ bool run_raw(const T* pa, int64_t a_s0, int64_t a_s1, const T* pb, int64_t b_s0,
   const int m = static_cast<int>(M);
   const int64_t rest = K % kReduceBlock;
   const bool whole = K >= kReduceBlock;
-  const auto first = whole ? Kernels<T>::get(n, m, static_cast<int>(kReduceBlock), lda, ldb, ldci, beta0, flags) : nullptr;
-  const auto next = whole ? Kernels<T>::get(n, m, static_cast<int>(kReduceBlock), lda, ldb, ldci, T(1), flags) : nullptr;
-  const auto tail = rest ? Kernels<T>::get(n, m, static_cast<int>(rest), lda, ldb, ldci, whole ? T(1) : beta0, flags)
+  const auto first = whole ? cached_kernel<T>(n, m, static_cast<int>(kReduceBlock), lda, ldb, ldci, beta0, flags) : nullptr;
+  const auto next = whole ? cached_kernel<T>(n, m, static_cast<int>(kReduceBlock), lda, ldb, ldci, T(1), flags) : nullptr;
+  const auto tail = rest ? cached_kernel<T>(n, m, static_cast<int>(rest), lda, ldb, ldci, whole ? T(1) : beta0, flags)
                          : next;
   if ((whole && (!first || !next)) || !tail) return false;
   int64_t k0 = 0;
