@@ -41,7 +41,7 @@ TEST_SUITE("autograd") {
 TEST_CASE("small_mm equals ATen's mm for thin and medium products in every dense layout") {
   at::manual_seed(11);
   if (!sj::ops::small_mm_enabled()) {
-    MESSAGE("stagejit built without LIBXSMM (or STAGEJIT_SMALL_GEMM=0): small_mm refuses every shape");
+    MESSAGE("stagejit built without LIBXSMM (or STAGEJIT_SMALL_GEMM=0): small_mm refuses every thin shape");
     CHECK_FALSE(sj::ops::small_mm(at::randn({512, 8}), at::randn({8, 8})).has_value());
     return;
   }

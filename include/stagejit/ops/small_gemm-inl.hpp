@@ -72,25 +72,30 @@ constexpr int64_t kReductionCopyBytes = 32 * 1024;
 // layer"). Not for a transposed A (float 142 vs 143) nor for rows of A over 2 KiB
 // (double K = 512: 58 vs 25-32, whatever the block), which no medium product takes.
 
+// False when the environment variable `name` is `0`.
+inline bool on_unless_zero_in_environment(const char* name) {
+  const char* v = std::getenv(name);
+  return !(v && std::strcmp(v, "0") == 0);
+}
+
 STAGEJIT_FUNC bool enabled_by_environment() {
-  static const bool on = [] {
-    const char* v = std::getenv("STAGEJIT_SMALL_GEMM");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
+  static const bool on = on_unless_zero_in_environment("STAGEJIT_SMALL_GEMM");
   return on;
 }
 
-#if defined(STAGEJIT_HAVE_LIBXSMM)
-
-// One operand as LIBXSMM reads it: its leading dimension and whether it is transposed.
+// One operand as a BLAS-style call reads it: its leading dimension and whether it is
+// transposed. For LIBXSMM an [R, C] operand is read as the column-major [C, R] matrix
+// (Note [Row-major products as LIBXSMM calls]); for oneDNN's row-major `sgemm` it is the
+// same pair ('N' with ld = stride(0) when its rows are dense, 'T' with ld = stride(1)
+// when its columns are).
 struct Operand {
   bool ok = false;
   bool trans = false;
   int64_t ld = 0;
 };
 
-// An [R, C] operand with element strides (s0, s1) read as the column-major [C, R]
-// matrix (Note [Row-major products as LIBXSMM calls]).
+// An [R, C] operand with element strides (s0, s1), or not ok when neither its rows nor
+// its columns are dense.
 STAGEJIT_FUNC Operand operand_of(int64_t r, int64_t c, int64_t s0, int64_t s1) {
   // The stride of a size-1 dimension is never used: give it the dense value.
   if (r == 1) s0 = c;
@@ -99,6 +104,8 @@ STAGEJIT_FUNC Operand operand_of(int64_t r, int64_t c, int64_t s0, int64_t s1) {
   if (s0 == 1 && s1 >= std::max<int64_t>(r, 1)) return {true, true, s1};
   return {};
 }
+
+#if defined(STAGEJIT_HAVE_LIBXSMM)
 
 // `t` [R, C] read as the column-major [C, R] matrix.
 STAGEJIT_FUNC Operand as_column_major_transpose(const at::Tensor& t) {
@@ -300,42 +307,23 @@ constexpr int64_t kDnnlMinBBytes = int64_t{1} << 20;
 constexpr int64_t kDnnlMinMacs = int64_t{1} << 20;
 
 STAGEJIT_FUNC bool dnnl_enabled_by_environment() {
-  static const bool on = [] {
-    const char* v = std::getenv("STAGEJIT_DNNL_SGEMM");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
+  static const bool on = on_unless_zero_in_environment("STAGEJIT_DNNL_SGEMM");
   return on;
 }
 
 #if defined(STAGEJIT_HAVE_DNNL)
-// One operand of a row-major `sgemm`: 'N' when its rows are dense (ld = stride(0)), 'T'
-// when its columns are (ld = stride(1)), or nothing.
-struct DnnlOperand {
-  bool ok = false;
-  char trans = 'N';
-  int64_t ld = 0;
-};
-STAGEJIT_FUNC DnnlOperand dnnl_operand(const at::Tensor& t) {
-  const int64_t r = t.size(0), c = t.size(1);
-  int64_t s0 = t.stride(0), s1 = t.stride(1);
-  if (r == 1) s0 = c;  // the stride of a size-1 dimension is never used
-  if (c == 1) s1 = 1;
-  if (s1 == 1 && s0 >= std::max<int64_t>(c, 1)) return {true, 'N', s0};
-  if (s0 == 1 && s1 >= std::max<int64_t>(r, 1)) return {true, 'T', s1};
-  return {};
-}
-
 // `a @ b` (float, 2-D, checked by `small_mm`) through oneDNN's row-major `sgemm`, or
 // nullopt when an operand is neither row- nor column-dense or oneDNN refuses the call.
 STAGEJIT_FUNC std::optional<at::Tensor> run_dnnl(const at::Tensor& a, const at::Tensor& b) {
-  const DnnlOperand A = dnnl_operand(a), B = dnnl_operand(b);
+  const Operand A = operand_of(a.size(0), a.size(1), a.stride(0), a.stride(1)),
+                B = operand_of(b.size(0), b.size(1), b.stride(0), b.stride(1));
   if (!A.ok || !B.ok) return std::nullopt;
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   at::internal::lazy_init_num_threads();  // this thread's OpenMP count from ATen's
   at::Tensor c = at::empty({M, N}, a.options().memory_format(at::MemoryFormat::Contiguous));
   RECORD_FUNCTION("stagejit::small_mm", std::vector<c10::IValue>({a, b}));
   // beta = 0: C is written, not read.
-  if (dnnl_sgemm(A.trans, B.trans, M, N, K, 1.0f, a.data_ptr<float>(), A.ld, b.data_ptr<float>(), B.ld, 0.0f,
+  if (dnnl_sgemm(A.trans ? 'T' : 'N', B.trans ? 'T' : 'N', M, N, K, 1.0f, a.data_ptr<float>(), A.ld, b.data_ptr<float>(), B.ld, 0.0f,
                  c.data_ptr<float>(), N) != dnnl_success)
     return std::nullopt;
   return c;
