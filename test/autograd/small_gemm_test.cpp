@@ -78,7 +78,7 @@ TEST_CASE("small_mm equals ATen's mm for thin and medium products in every dense
       REQUIRE(p.has_value());
       CHECK(rel_diff(*p, at::mm(h.t(), g)) <= tol);
       // A `g` with dense columns is copied whole first: taken while it is at most 32 KiB
-      // (a classifier's W^T), left to ATen (or oneDNN) past that.
+      // (a classifier's W^T), left to ATen past that (a thin product: never oneDNN).
       at::Tensor gt = at::randn({7, K}, dtype).t();
       if (K * 7 * gt.element_size() <= 32 * 1024) {
         auto q = sj::ops::small_mm(h.t(), gt);

@@ -295,8 +295,9 @@ STAGEJIT_FUNC std::optional<at::Tensor> run(const at::Tensor& a, const at::Tenso
 //   142 / 129 at 448 (LIBXSMM in column passes), 122 / 131 / 156 at 512, 128 / - / 156 at
 //   768, 128 / - / 151 for [1000,1024] x [1024,1024].
 // Thin products (K, N <= 64, or M, N <= 64) never go to oneDNN, whatever B's size (a
-// reduction's B is [rows, N]): LIBXSMM runs them faster, or ATen where it refuses them, float [64,20000]^T x [20000,64] 76 against oneDNN's 66, [10000,32] x
-// [32,64] 109 against 87, [50,4000]^T x [4000,50] 69 against 55.
+// reduction's B is [rows, N]): LIBXSMM runs them faster (float [64,20000]^T x
+// [20000,64] 128 against oneDNN's 106, [10000,32] x [32,64] 165 against 124, [50,4000]^T x
+// [4000,50] 96 against 77), and ATen takes those it refuses.
 // So LIBXSMM keeps the thin products, and the medium ones whose B is under kDnnlMinBBytes
 // (1 MiB: w < 512), and oneDNN takes every other float product of at least kDnnlMinMacs
 // multiply-adds (below that its call costs more than OpenBLAS's: [64,64] x [64,64] 119
@@ -323,8 +324,8 @@ STAGEJIT_FUNC std::optional<at::Tensor> run_dnnl(const at::Tensor& a, const at::
   at::Tensor c = at::empty({M, N}, a.options().memory_format(at::MemoryFormat::Contiguous));
   RECORD_FUNCTION("stagejit::small_mm", std::vector<c10::IValue>({a, b}));
   // beta = 0: C is written, not read.
-  if (dnnl_sgemm(A.trans ? 'T' : 'N', B.trans ? 'T' : 'N', M, N, K, 1.0f, a.data_ptr<float>(), A.ld, b.data_ptr<float>(), B.ld, 0.0f,
-                 c.data_ptr<float>(), N) != dnnl_success)
+  if (dnnl_sgemm(A.trans ? 'T' : 'N', B.trans ? 'T' : 'N', M, N, K, 1.0f, a.data_ptr<float>(), A.ld,
+                 b.data_ptr<float>(), B.ld, 0.0f, c.data_ptr<float>(), N) != dnnl_success)
     return std::nullopt;
   return c;
 }

@@ -30,17 +30,19 @@ namespace stagejit::ops {
 /// of its columns that fit, so that each stays in the L2 cache: Note [Medium products]
 /// in ops/small_gemm-inl.hpp), with each
 /// operand's rows or columns dense (the other stride is the leading dimension).
-/// Float products past those shapes, and medium float ones whose `b` is 1 MiB or more
-/// (w >= 512 units), go to oneDNN's `sgemm` instead when it is built in (`STAGEJIT_HAVE_DNNL`),
-/// `$STAGEJIT_DNNL_SGEMM` is not `0`, the product has at least 2^20 multiply-adds and
-/// each operand has dense rows or columns: 15-45 % faster than OpenBLAS on weight
-/// gradients and 20-25 % on layers of 512 units or more (Note [Wide float products
-/// through oneDNN] in ops/small_gemm-inl.hpp). Doubles past LIBXSMM's shapes stay with ATen.
+/// Float products that are not thin and either fall outside those shapes or are medium
+/// with a `b` of 1 MiB or more (w >= 512 units) go to oneDNN's `sgemm` instead when it
+/// is built in (`STAGEJIT_HAVE_DNNL`), `$STAGEJIT_DNNL_SGEMM` is not `0`, the product has
+/// at least 2^20 multiply-adds and each operand has dense rows or columns: 15-45 %
+/// faster than OpenBLAS on weight gradients and 20-25 % on layers of 512 units or more
+/// (Note [Wide float products through oneDNN] in ops/small_gemm-inl.hpp). Doubles past
+/// LIBXSMM's shapes stay with ATen.
 /// Returns a contiguous [M, N] tensor equal to `at::mm(a, b)` up to summation order, or
 /// nullopt (the caller runs `at::mm`) when the shape qualifies for neither, the library
-/// that would take it is not built in (`STAGEJIT_HAVE_LIBXSMM`), or LIBXSMM cannot
-/// generate a kernel and oneDNN does not take it, or `$STAGEJIT_SMALL_GEMM=0` (LIBXSMM's
-/// shapes) / `$STAGEJIT_DNNL_SGEMM=0` (oneDNN's). Never throws for a shape it refuses.
+/// that would take it is not built in (`STAGEJIT_HAVE_LIBXSMM`, `STAGEJIT_HAVE_DNNL`),
+/// LIBXSMM cannot generate a kernel and oneDNN does not take the shape, or
+/// `$STAGEJIT_SMALL_GEMM=0` (LIBXSMM's shapes) / `$STAGEJIT_DNNL_SGEMM=0` (oneDNN's).
+/// Never throws for a shape it refuses.
 std::optional<at::Tensor> small_mm(const at::Tensor& a, const at::Tensor& b);
 
 /// `c [M, N] = a [M, K] @ b [K, N]` (or `c += a @ b` when `accumulate`) on raw CPU
