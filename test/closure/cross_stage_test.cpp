@@ -170,14 +170,18 @@ TEST_CASE("cross-stage gradients: pruned zero outputs keep the graph valid; off 
 
 // Note [Choosing cross-stage gradients] (closure/compile-inl.hpp): unset, the option is
 // chosen per input spec: off where a backward stage runs its products in row-tiled regions
-// (layers of at most 64 units, any number of rows from 2), on elsewhere (here: layers of 80
-// units, products the regions do not take); set, it is what was asked. Results equal
-// libtorch's either way.
+// (layers of at most 128 units, any number of rows from 2: also 96 units, which were traced
+// with them until the regions were counted at their own width), on elsewhere (here: layers
+// of 160 units, products the regions do not take); set, it is what was asked. Results
+// equal libtorch's either way.
 TEST_CASE("cross-stage gradients: chosen per spec when the option is unset") {
   at::manual_seed(13);
-  const std::vector<at::Tensor> wide = {at::randn({12, 2}, at::kDouble), at::randn({2, 80}, at::kDouble) * 0.7,
-                                        at::randn({80}, at::kDouble) * 0.1, at::randn({80, 80}, at::kDouble) * 0.1,
-                                        at::randn({80}, at::kDouble) * 0.1, at::randn({80, 1}, at::kDouble) * 0.1};
+  auto layers_of = [](int64_t rows, int64_t h) {
+    return std::vector<at::Tensor>{at::randn({rows, 2}, at::kDouble), at::randn({2, h}, at::kDouble) * 0.7,
+                                   at::randn({h}, at::kDouble) * 0.1, at::randn({h, h}, at::kDouble) * 0.1,
+                                   at::randn({h}, at::kDouble) * 0.1, at::randn({h, 1}, at::kDouble) * 0.1};
+  };
+  const std::vector<at::Tensor> wide = layers_of(12, 160), medium = layers_of(300, 96);
   auto tall = mlp_data();
   tall[0] = at::randn({4096, 2}, at::kDouble);
   auto as_in = [](const std::vector<at::Tensor>& d) {
@@ -190,8 +194,10 @@ TEST_CASE("cross-stage gradients: chosen per spec when the option is unset") {
   CHECK(net.stats().cross_stage_traces == 1);
   if (sj::ops::small_mm_enabled()) {
     CHECK_FALSE(net.closure_for(as_in(tall))->cross_stage);  // row-tiled: re-differentiating is cheaper
+    CHECK_FALSE(net.closure_for(as_in(medium))->cross_stage);
   } else {
     CHECK(net.closure_for(as_in(tall))->cross_stage);  // no LIBXSMM, no row-tiled regions
+    CHECK(net.closure_for(as_in(medium))->cross_stage);
   }
   auto untiled = sj::compile(mlp, {.derivatives = 3, .tile_rows = 0});
   CHECK(untiled.closure_for(as_in(tall))->cross_stage);
@@ -204,7 +210,7 @@ TEST_CASE("cross-stage gradients: chosen per spec when the option is unset") {
   auto first = sj::compile(mlp, {.derivatives = 1});
   CHECK_FALSE(first.closure_for(as_in(wide))->cross_stage);
   // Both choices give libtorch's step.
-  for (const std::vector<at::Tensor>* d : {&wide, static_cast<const std::vector<at::Tensor>*>(&tall)}) {
+  for (const std::vector<at::Tensor>* d : {&wide, &medium, static_cast<const std::vector<at::Tensor>*>(&tall)}) {
     const Step want = torch_step(*d);
     const Step got = sj_step(net, *d);
     CHECK(std::abs(got.loss - want.loss) <= 1e-12 * std::abs(want.loss));

@@ -118,7 +118,7 @@ inline std::optional<Trace> trace_on_meta(const traced_fn& fn, const variable_li
 // "Product counts"). With them each part is differentiated once, but the gradients of the
 // values crossing stages are written out whole and summed by the engine between the
 // stage calls. Which costs more depends on the row-tiled regions (Note [Row-tiled
-// regions]): where a backward stage runs them (tall inputs, layers of at most 64
+// regions]): where a backward stage runs them (tall inputs, layers of at most 128
 // columns) the repeated sweeps run tile by tile in the cache and the hand-off's full-size
 // tensors cost more; elsewhere every value is written out anyway and the extra products
 // and elementwise sweeps dominate. Measured (bench/higher_order.md, one engine thread,
@@ -134,11 +134,13 @@ inline std::optional<Trace> trace_on_meta(const traced_fn& fn, const variable_li
 // wider than the tiled products allow) do not count: there the repeated sweeps' products
 // run whole, as libtorch's would, and cost what they cost.
 //
-// Counted with regions of products at most 64 wide (`kRecomputeWidth`), narrower than
-// the regions run (128): a 128-wide critic's staged step, which recomputes in 128-wide
-// tiles, ran 3-7 % slower than with cross-stage gradients (bench/higher_order.md,
-// 2026-12-06), while its whole loss, which has no such choice, ran 16 % faster tiled.
-inline constexpr int64_t kRecomputeWidth = 64;
+// Counted with regions of the widths the stages run them at (`tiling::kMaxTiledWidth`,
+// 128). Counted at 64 until 2026-12-07, which traced every PINN of 65-128 units with
+// cross-stage gradients: a user-style Laplacian PINN, tanh 1-128x3-1, 2 000 points, float,
+// ran its staged step 55 % behind its whole loss with them and 8 % without (1.45x -> 2.06x
+// libtorch; gelu 2-128x3-1 with two grad calls 1.57x -> 2.05x; double alike), while
+// 96- and 128-wide critics read the same either way (bench/higher_order.md, "Session of
+// 2026-12-07, 02:30").
 inline bool backward_products_tile(const ir::Graph& g, int64_t tile_rows) {
   if (tile_rows <= 0) return false;
   std::vector<std::vector<ir::Node*>> by_stage;
@@ -154,7 +156,7 @@ inline bool backward_products_tile(const ir::Graph& g, int64_t tile_rows) {
   std::size_t products = 0, tiled = 0;
   for (std::size_t s = 1; s < by_stage.size(); ++s) {
     for (const ir::Node* n : by_stage[s]) products += is_product(n);
-    for (const closure::TiledRegion& r : closure::find_row_tiled_regions(by_stage[s], min_rows, kRecomputeWidth))
+    for (const closure::TiledRegion& r : closure::find_row_tiled_regions(by_stage[s], min_rows, closure::tiling::kMaxTiledWidth))
       for (const ir::Node* n : r.nodes) tiled += is_product(n);
   }
   return products > 0 && 2 * tiled >= products;

@@ -68,7 +68,7 @@ struct CompileOptions {
   ///
   /// Unset (the default): chosen per input spec when compiling (Note [Choosing cross-stage
   /// gradients]): off when most matrix products after the forward run in row-tiled
-  /// regions (`tile_rows`: tall inputs with layers of at most 64 columns, as a PINN's
+  /// regions (`tile_rows`: tall inputs with layers of at most 128 columns, as a PINN's
   /// collocation points), where recomputing inside the tiles is cheaper than writing the
   /// gradients crossing stages out and summing them; on otherwise (short inputs, wider
   /// layers). `Stats::cross_stage_traces` counts the specs
