@@ -9,7 +9,7 @@ C++ twin:
   labels y; maml's y_s and y_q), so hvp's v_i are t = n_w + 2 + i and maml's x_q is
   t = n_w + 2;
 - a bias has shape [fan_out];
-- the small sizes shrink the widths only where the table says so (burgers, kdv,
+- the small sizes shrink the widths only where the table says so (burgers, kdv, poisson, poisson128,
   forces_silu, critic*, hvp); burgers_residual, forces_softplus and maml keep theirs;
 - burgers_residual lists only X (t = n_w);
 - the critic's x_hat = e * real + (1 - e) * fake is formed once when the tensors are built
@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-NAMES = ["burgers", "burgers_residual", "kdv", "poisson", "forces_silu", "forces_softplus",
+NAMES = ["burgers", "burgers_residual", "kdv", "poisson", "poisson128", "forces_silu", "forces_softplus",
          "critic128", "critic512", "hvp", "maml"]
 
 BURGERS_NU = 0.01 / math.pi
@@ -106,12 +106,14 @@ def make_spec(name, dtype, small):
             s.add_listed([nb, 1])
         s.sizes = "%d + %d" % (n, nb) if boundary else "%d" % n
         return s
-    if name in ("kdv", "poisson"):
-        # kdv: X, X_b, g_b; poisson: X, the source s [N, 1], X_b, g_b.
-        poisson = name == "poisson"
+    if name in ("kdv", "poisson", "poisson128"):
+        # kdv: X, X_b, g_b; poisson, poisson128: X, the source s [N, 1], X_b, g_b.
+        poisson = name != "kdv"
+        wide = name == "poisson128"
+        width = (80 if small else 128) if wide else (8 if small else (50 if poisson else 32))
         s = Spec(name, dt, small, 3 if poisson else 4, "tanh",
-                 mlp_layers(2, 8 if small else (50 if poisson else 32), 3 if poisson else 4, 1))
-        n, nb = (64, 8) if small else (4000, 400 if poisson else 100)
+                 mlp_layers(2, width, 3 if poisson else 4, 1))
+        n, nb = (64, 8) if small else ((2000, 200) if wide else (4000, 400 if poisson else 100))
         s.add_listed([n, 2], True)
         if poisson:
             s.add_listed([n, 1])
@@ -250,7 +252,7 @@ def torch_loss_fn(spec):
                             lambda: sum_grad(u_xx, x).narrow(1, 1, 1),
                             lambda: net(d[1], w) - d[2], torch.mean)
         return loss
-    if name == "poisson":
+    if name in ("poisson", "poisson128"):
         def loss(w, d):
             x = d[0]
             u = net(x, w)
@@ -360,7 +362,7 @@ def jax_step_fn(spec):
                             lambda: sum_grad(u_xx_fn, x)[:, 1:2],
                             lambda: net(d[1], w) - d[2], jnp.mean)
         return jax.jit(jax.value_and_grad(loss))
-    if name == "poisson":
+    if name in ("poisson", "poisson128"):
         def loss(w, d):
             x = d[0]
             u_fn = lambda z: net(z, w)

@@ -23,7 +23,7 @@
 //   is t = n_w + 2;
 // - a bias has shape [fan_out];
 // - the small sizes shrink the widths only where the table says so (burgers, kdv,
-//   poisson, forces_silu, critic*, hvp); burgers_residual, forces_softplus and maml keep theirs;
+//   poisson, poisson128, forces_silu, critic*, hvp); burgers_residual, forces_softplus and maml keep theirs;
 // - burgers_residual lists only X (t = n_w);
 // - the critic's x_hat = e * real + (1 - e) * fake is formed once when the tensors are
 //   built (ATen, in the dtype) and is a leaf requiring grad in every mode; the penalty's
@@ -399,15 +399,17 @@ class Kdv : public WorkloadOf<Kdv> {
   int64_t n_, n_b_;
 };
 
-/// poisson: the 2-D Poisson PINN, -(u_xx + u_yy) = s, with the Laplacian from one
-/// grad call per input column (two calls of the net's second stage on one first-stage
+/// poisson, poisson128: the 2-D Poisson PINN, -(u_xx + u_yy) = s, with the Laplacian from
+/// one grad call per input column (two calls of the net's second stage on one first-stage
 /// result, as users write it); mean((u_xx + u_yy + s)^2) + mean((u_b - g_b)^2).
+/// poisson128 is the same PINN with layers wider than 64 (128; 80 at the small sizes).
 /// Data: X [N, 2] (grad), s [N, 1], X_b [N_b, 2], g_b [N_b, 1].
 class Poisson : public WorkloadOf<Poisson> {
  public:
-  Poisson(at::ScalarType dtype, bool small)
-      : WorkloadOf("poisson", dtype, 3, Activation::Tanh, mlp_layers(2, small ? 8 : 50, 3, 1)),
-        n_(small ? 64 : 4000), n_b_(small ? 8 : 400) {
+  Poisson(at::ScalarType dtype, bool small, bool wide = false)
+      : WorkloadOf(wide ? "poisson128" : "poisson", dtype, 3, Activation::Tanh,
+                   mlp_layers(2, wide ? (small ? 80 : 128) : (small ? 8 : 50), 3, 1)),
+        n_(small ? 64 : (wide ? 2000 : 4000)), n_b_(small ? 8 : (wide ? 200 : 400)) {
     add_listed({n_, 2}, true);
     add_listed({n_, 1});
     add_listed({n_b_, 2});
@@ -556,7 +558,7 @@ class Maml : public WorkloadOf<Maml> {
 };
 
 inline std::vector<std::string> workload_names() {
-  return {"burgers", "burgers_residual", "kdv", "poisson", "forces_silu", "forces_softplus",
+  return {"burgers", "burgers_residual", "kdv", "poisson", "poisson128", "forces_silu", "forces_softplus",
           "critic128", "critic512", "hvp", "maml"};
 }
 
@@ -567,6 +569,7 @@ inline std::unique_ptr<Workload> make_workload(const std::string& name, at::Scal
   if (name == "burgers_residual") return std::make_unique<Burgers>(dtype, small, false);
   if (name == "kdv") return std::make_unique<Kdv>(dtype, small);
   if (name == "poisson") return std::make_unique<Poisson>(dtype, small);
+  if (name == "poisson128") return std::make_unique<Poisson>(dtype, small, true);
   if (name == "forces_silu") return std::make_unique<Forces>(dtype, small, false);
   if (name == "forces_softplus") return std::make_unique<Forces>(dtype, small, true);
   if (name == "critic128") return std::make_unique<Critic>(dtype, small, 128);
