@@ -5,6 +5,7 @@
 #include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include <ATen/MemoryOverlap.h>
+#include <algorithm>
 
 #include <optional>
 #include <sstream>
@@ -117,6 +118,17 @@ PackedArgs pack_tensor_args(at::IntArrayRef shape, at::TensorList inputs, at::Te
   std::vector<int64_t> dims;  // kept original dimensions
   for (int64_t d = 0; d < R; ++d)
     if (shape[d] != 1) dims.push_back(d);
+  // Iterate in the first output's memory order (its largest stride outermost), as ATen's
+  // TensorIterator does: every element is computed on its own, so the order is free, and
+  // tensors that share a permuted dense layout (a weight gradient summed from transposed
+  // products, `add(t(a), t(b))` written as t(c)) then merge into one contiguous row instead
+  // of being read one element at a time (bench/higher_order.md, "Session of 2026-12-07,
+  // 02:30").
+  {
+    const std::vector<int64_t>& first_out = strides[inputs.size()];
+    std::stable_sort(dims.begin(), dims.end(),
+                     [&](int64_t a, int64_t b) { return first_out[a] > first_out[b]; });
+  }
   std::vector<int64_t> msize;                   // innermost first
   std::vector<std::vector<int64_t>> mstride(N);  // innermost first
   if (packed.numel == 0) {

@@ -24,8 +24,10 @@ namespace {
 
 using stagejit::testing::check_close;
 
-/// Runs the subgraph fused (asserting the kernel ran) and node by node; compares.
-void check_group(const std::string& text, const std::vector<at::Tensor>& inputs) {
+/// Runs the subgraph fused (asserting the kernel ran) and node by node; compares. The fused
+/// outputs are contiguous, or with `layout_of_inputs` have the strides of `inputs[0]` (every
+/// full-size input sharing one permuted dense layout, as ATen's outputs follow it).
+void check_group(const std::string& text, const std::vector<at::Tensor>& inputs, bool layout_of_inputs = false) {
   auto g = ir::parse(text);
   std::string reason = "unset";
   auto got = fusion::run_fused(*g, inputs, {nullptr, "test group", &reason});
@@ -34,7 +36,10 @@ void check_group(const std::string& text, const std::vector<at::Tensor>& inputs)
   REQUIRE(got.size() == want.size());
   for (size_t i = 0; i < got.size(); ++i) {
     CAPTURE(i);
-    CHECK(got[i].is_contiguous());
+    if (layout_of_inputs)
+      CHECK(got[i].strides() == inputs[0].strides());
+    else
+      CHECK(got[i].is_contiguous());
     check_close(got[i], want[i]);
   }
 }
@@ -73,6 +78,12 @@ TEST_SUITE("fusion") {
       // transposed and expanded inputs
       check_group(tanh_sigmoid, {at::randn({4, 16}, o).t(), at::randn({16, 4}, o), at::randn({1, 4}, o).expand({16, 4})});
       check_group(tanh_sigmoid, {at::randn({5, 7, 3}, o).permute({2, 0, 1}), at::randn({7}, o), at::randn({3, 5, 7}, o)});
+      // every full-size input transposed alike (a weight gradient summed from transposed
+      // products): the outputs take that layout, and the kernel runs it as one row
+      check_group(tanh_sigmoid, {at::randn({4, 16}, o).t(), at::randn({4, 16}, o).t(), at::randn({4, 16}, o).t()}, true);
+      check_group(tanh_sigmoid, {at::randn({37, 21}, o).t(), at::randn({21}, o).unsqueeze(1), at::randn({37, 21}, o).t()}, true);
+      check_group(tanh_sigmoid, {at::randn({5, 7, 3}, o).permute({2, 0, 1}), at::randn({5, 7, 3}, o).permute({2, 0, 1}),
+                                 at::randn({7}, o)}, true);
       // 0-dim and empty
       check_group(tanh_sigmoid, {at::randn({}, o), at::randn({}, o), at::randn({}, o)});
       check_group(tanh_sigmoid, {at::randn({0, 4}, o), at::randn({4}, o), at::randn({0, 4}, o)});
@@ -198,18 +209,24 @@ TEST_SUITE("fusion") {
     CHECK(reason.find("mixed") != std::string::npos);
     check_close(m[0], at::tanh(mixed[0] * mixed[1] + mixed[2]) * at::sigmoid(mixed[0]));
 
-    // Arguments the launch cannot take (9 dimensions that do not merge): op by op, and
-    // the reason is reported.
-    auto nine = ir::parse(R"(graph(%a : Double(2, 2, 2, 2, 2, 2, 2, 2, 2)) {
+    // Arguments the launch cannot take (9 dimensions that do not merge: one input reversed,
+    // one contiguous, so no layout is shared): op by op, and the reason is reported.
+    auto nine = ir::parse(R"(graph(%a : Double(2, 2, 2, 2, 2, 2, 2, 2, 2), %b : Double(2, 2, 2, 2, 2, 2, 2, 2, 2)) {
   %0 : Double(2, 2, 2, 2, 2, 2, 2, 2, 2) = tanh(%a);
-  %1 : Double(2, 2, 2, 2, 2, 2, 2, 2, 2) = mul(%0, %a);
+  %1 : Double(2, 2, 2, 2, 2, 2, 2, 2, 2) = mul(%0, %b);
   return (%1);
 })");
     at::Tensor reversed = at::randn(std::vector<int64_t>(9, 2), at::kDouble).permute({8, 7, 6, 5, 4, 3, 2, 1, 0});
+    at::Tensor plain = at::randn(std::vector<int64_t>(9, 2), at::kDouble);
     reason.clear();
-    auto n9 = fusion::run_fused(*nine, {reversed}, {nullptr, "nine", &reason});
+    auto n9 = fusion::run_fused(*nine, {reversed, plain}, {nullptr, "nine", &reason});
     CHECK_MESSAGE(reason.find("dimensions") != std::string::npos, reason);
-    check_close(n9[0], at::tanh(reversed) * reversed);
+    check_close(n9[0], at::tanh(reversed) * plain);
+    // Both reversed alike: the output takes their layout and the kernel runs it as one row.
+    reason = "unset";
+    auto r9 = fusion::run_fused(*nine, {reversed, reversed}, {nullptr, "nine reversed", &reason});
+    CHECK_MESSAGE(reason == "", reason);
+    check_close(r9[0], at::tanh(reversed) * reversed);
 
     // An output smaller than the iteration shape.
     auto two = ir::parse(R"(graph(%a : Float(4), %b : Float(3, 4)) {

@@ -173,6 +173,20 @@ TEST_SUITE("fusion") {
     CHECK(q.rank == 1);
     CHECK(q.shape == std::vector<int64_t>{30});
 
+    // Tensors sharing a permuted dense layout merge into one row: the iteration follows
+    // the first output's memory order (its unit stride innermost).
+    at::Tensor ta = at::zeros({8, 6}).t(), tb = at::zeros({8, 6}).t(), to = at::empty({8, 6}).t();
+    PackedArgs tp = pack_tensor_args({6, 8}, {ta, tb}, {to});
+    CHECK(tp.rank == 1);
+    CHECK(tp.shape == std::vector<int64_t>{48});
+    PackedArgs mp = pack_tensor_args({6, 8}, {at::zeros({6, 8})}, {to});
+    REQUIRE(mp.rank == 2);
+    CHECK(mp.shape == std::vector<int64_t>{8, 6});
+    CHECK(mp.args[1].strides[1] == 1);
+    CHECK(mp.args[1].strides[0] == 6);
+    CHECK(mp.args[0].strides[1] == 8);
+    CHECK(mp.args[0].strides[0] == 1);
+
     PackedArgs z = pack_tensor_args({}, {at::zeros({})}, {at::empty({})});
     CHECK(z.rank == 1);
     CHECK(z.numel == 1);
@@ -227,6 +241,19 @@ TEST_SUITE("fusion") {
         at::Tensor out = at::empty({13, 9}, opt).t();
         kernel->run(pack_tensor_args({9, 13}, {a, b, c}, {out}));
         check_close(out, eager_tanh_sigmoid(a, b, c));
+      }
+      {
+      INFO("every tensor transposed (one merged row in memory order), and a row broadcast beside them");
+        at::Tensor a = gen({37, 21}).t(), b = gen({37, 21}).t(), c = gen({37, 21}).t();
+        at::Tensor out = at::empty({37, 21}, opt).t();
+        PackedArgs p = pack_tensor_args({21, 37}, {a, b, c}, {out});
+        CHECK(p.rank == 1);
+        kernel->run(p);
+        check_close(out, eager_tanh_sigmoid(a, b, c));
+        at::Tensor row = gen({37});
+        at::Tensor out2 = at::empty({37, 21}, opt).t();
+        kernel->run(pack_tensor_args({21, 37}, {a, row, c}, {out2}));
+        check_close(out2, eager_tanh_sigmoid(a, row, c));
       }
       {
       INFO("ranges starting mid-row, as parallel_for may split them");

@@ -404,8 +404,26 @@ STAGEJIT_FUNC std::vector<at::Tensor> run_planned(const GroupPlan& plan, const i
   // at::empty: inside a HostCacheScope (and with install_host_cache() done) c10's CPU
   // allocator serves it from the cache, and the storage keeps that routing allocator, so
   // a later resize outside any scope does not touch the cache.
-  for (at::ScalarType dt : plan.output_dtypes)
-    outputs.push_back(at::empty(plan.shape, at::TensorOptions().dtype(dt).device(plan.device)));
+  // The outputs take the layout the full-size inputs share when it is a permuted dense one
+  // (every full-size input transposed alike), as ATen's TensorIterator gives its outputs:
+  // the kernel then runs as one contiguous row (`pack_tensor_args` iterates in the first
+  // output's memory order) instead of reading every input element by element. A weight
+  // gradient summed from transposed products, `add(t(a), t(b))`, is such a group.
+  const at::Tensor* layout = nullptr;  // the first full-size input, when all share its strides
+  for (const at::Tensor& t : inputs) {
+    if (!t.defined() || t.sizes() != at::IntArrayRef(plan.shape)) continue;
+    if (!layout) {
+      layout = &t;
+    } else if (layout->strides() != t.strides()) {
+      layout = nullptr;
+      break;
+    }
+  }
+  const bool permuted = layout && !layout->is_contiguous() && layout->is_non_overlapping_and_dense();
+  for (at::ScalarType dt : plan.output_dtypes) {
+    const auto options = at::TensorOptions().dtype(dt).device(plan.device);
+    outputs.push_back(permuted ? at::empty_strided(plan.shape, layout->strides(), options) : at::empty(plan.shape, options));
+  }
   if (plan.kernel || plan.cuda_kernel) {
     std::vector<at::Tensor> ins(inputs.begin(), inputs.end());
     PackedArgs args;

@@ -276,21 +276,22 @@ STAGEJIT_FUNC std::vector<at::Tensor> run_planned(const GroupPlan& plan, const i
 
 }  // namespace detail
 
-/// Runs a FusionGroup subgraph on `inputs` (one tensor per subgraph input, broadcastable
-/// to one shape, all on one device): allocates the outputs (the broadcast shape,
-/// contiguous, on the inputs' device; on the CPU from `HostCachingAllocator` inside a
-/// `HostCacheScope` once `install_host_cache()` has run, else from ATen's allocator;
-/// dtypes from `output_dtypes`), and runs the kernel generated in the device's dialect:
-/// CPU tensors through the CPU backend, CUDA tensors through the CUDA backend (NVRTC for
-/// the device's architecture, launched on the current stream). Kernels are built once per
-/// source by each backend. When no kernel can be used (anything `generate` refuses,
-/// inputs on more than one device, or FusionError from the backend such as a missing
-/// compiler, NVRTC or GPU), runs the nodes one by one with `run_unfused` instead and
-/// prints a one-time warning per group on stderr naming the group and the reason. Throws
-/// ShapeError when the inputs do not broadcast, `Error` naming the group, op and input
-/// for an undefined input (as the op would outside a group), and what `run_unfused`
-/// throws. For repeated calls of one group use `FusedGroup`, which memoises all of this
-/// per input signature.
+/// Runs a FusionGroup subgraph on `inputs` (one tensor per subgraph input, broadcastable to
+/// one shape, all on one device): allocates the outputs (the broadcast shape, contiguous,
+/// or in the layout every full-size input shares when that is a permuted dense one such as
+/// a transpose, as ATen's TensorIterator does; on the inputs' device; on the CPU from
+/// `HostCachingAllocator` inside a `HostCacheScope` once `install_host_cache()` has run,
+/// else from ATen's allocator; dtypes from `output_dtypes`), and runs the kernel generated
+/// in the device's dialect: CPU tensors through the CPU backend, CUDA tensors through the
+/// CUDA backend (NVRTC for the device's architecture, launched on the current stream).
+/// Kernels are built once per source by each backend. When no kernel can be used (anything
+/// `generate` refuses, inputs on more than one device, or FusionError from the backend such
+/// as a missing compiler, NVRTC or GPU), runs the nodes one by one with `run_unfused`
+/// instead and prints a one-time warning per group on stderr naming the group and the
+/// reason. Throws ShapeError when the inputs do not broadcast, `Error` naming the group, op
+/// and input for an undefined input (as the op would outside a group), and what
+/// `run_unfused` throws. For repeated calls of one group use `FusedGroup`, which memoises
+/// all of this per input signature.
 STAGEJIT_FUNC std::vector<at::Tensor> run_fused(const ir::Graph& subgraph, const std::vector<at::Tensor>& inputs,
                                                 const RunFusedOptions& options = {});
 

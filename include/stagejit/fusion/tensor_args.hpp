@@ -29,8 +29,11 @@ struct PackedArgs {
 
 /// Packs `inputs` broadcast to `shape` (NumPy rules: missing leading dimensions and
 /// size-1 dimensions get stride 0) and `outputs` of exactly `shape` into a `PackedArgs`.
-/// Adjacent dimensions are merged when they are contiguous with each other in every
-/// tensor. Outputs must not overlap themselves (no stride-0 dimension of size > 1).
+/// The dimensions are iterated in the first output's memory order (its largest stride
+/// outermost; the kernels compute every element on its own), and adjacent ones are merged
+/// when they are contiguous with each other in every tensor, so tensors sharing a
+/// transposed dense layout run as one row. Outputs must not overlap themselves (no
+/// stride-0 dimension of size > 1).
 /// Throws `ShapeError` naming the argument when an input does not broadcast to `shape`
 /// or an output's sizes differ from it, and `FusionError` when tensors are on different
 /// devices, undefined, or the shape has more than `kMaxDims` dimensions after merging.
