@@ -26,7 +26,8 @@
 ///
 /// Which nodes form regions (`find_row_tiled_regions`), given N (the most common
 /// leading size of the stage's 2-D values, at least `min_rows` and 2, among those of 256
-/// rows and more when there are any) and the value types the trace recorded:
+/// rows and more when there are any; one of the next two most common instead when its
+/// regions tile more row products) and the value types the trace recorded:
 /// - a row value is 2-D with N rows, of the region's dtype (float or double), on the CPU;
 ///   an invariant value is any other tensor (weights, biases) not made by a row node.
 ///   Operands are read as their products read them, whatever their shape (when N equals
@@ -133,34 +134,13 @@ inline bool attr_is_one(const Attributes& attrs, std::string_view name) {
 
 }  // namespace tiling
 
-/// Builds the row-tiled regions of a stage (`nodes`: the stage's nodes in order), in
-/// an order the stage can run them: region k reads only what regions before it and
-/// nodes outside every region make. Empty when none is worth it (a region needs two row
-/// products or kernels), no 2-D value has at least `min_rows` rows, or LIBXSMM is not
-/// available. `max_width`: the widest K and M of a product a region takes (the runner's
-/// default, `tiling::kMaxTiledWidth`; the cross-stage choice counts with 64). See Note
-/// [Row-tiled regions].
-inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Node*>& nodes, int64_t min_rows,
-                                                       int64_t max_width = tiling::kMaxTiledWidth) {
+namespace tiling {
+
+/// The row-tiled regions of a stage whose row values have `N` rows (see
+/// `find_row_tiled_regions`, which chooses N).
+inline std::vector<TiledRegion> row_tiled_regions_with_rows(const std::vector<ir::Node*>& nodes, int64_t N,
+                                                            int64_t max_width) {
   using tiling::RowLayout;
-  if (!ops::small_mm_enabled() || nodes.empty()) return {};
-  // One row is never tiled: a [1, C] row value reads like a broadcast row.
-  min_rows = std::max<int64_t>(min_rows, 2);
-  // N: the most common leading size among 2-D tensor outputs of the stage, among the tall
-  // ones (kTallRows and more) when there are any: a stage's weight-shaped values (the
-  // weight gradients of a backward stage) can outnumber its rows, and taking their size
-  // for N would leave the tall rows untiled.
-  constexpr int64_t kTallRows = 256;
-  std::map<int64_t, int> counts;
-  for (int64_t floor : {std::max(min_rows, kTallRows), min_rows}) {
-    for (ir::Node* n : nodes)
-      for (ir::Value* o : n->outputs())
-        if (auto* t = o->tensor_type(); t && t->sizes.size() == 2 && t->sizes[0] >= floor) ++counts[t->sizes[0]];
-    if (!counts.empty()) break;
-  }
-  if (counts.empty()) return {};
-  const int64_t N = std::max_element(counts.begin(), counts.end(),
-                                     [](auto& a, auto& b) { return a.second < b.second; })->first;
   std::optional<at::ScalarType> dtype;
   for (ir::Node* n : nodes)
     if (n->is<ir::FusionGroup>() || tiling::is_matrix_product(*n))
@@ -455,6 +435,57 @@ inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Nod
     regions.push_back(std::move(region));
   }
   return regions;
+}
+
+}  // namespace tiling
+
+/// Builds the row-tiled regions of a stage (`nodes`: the stage's nodes in order), in
+/// an order the stage can run them: region k reads only what regions before it and
+/// nodes outside every region make. Empty when none is worth it (a region needs two row
+/// products or kernels), no 2-D value has at least `min_rows` rows, or LIBXSMM is not
+/// available. `max_width`: the widest K and M of a product a region takes (the runner's
+/// default, `tiling::kMaxTiledWidth`). See Note [Row-tiled regions].
+inline std::vector<TiledRegion> find_row_tiled_regions(const std::vector<ir::Node*>& nodes, int64_t min_rows,
+                                                       int64_t max_width = tiling::kMaxTiledWidth) {
+  if (!ops::small_mm_enabled() || nodes.empty()) return {};
+  // One row is never tiled: a [1, C] row value reads like a broadcast row.
+  min_rows = std::max<int64_t>(min_rows, 2);
+  // N, the rows of the row values: the leading sizes of the stage's 2-D tensor outputs are
+  // the candidates, the tall ones (kTallRows and more) when there are any. A stage's
+  // weight-shaped values (the weight gradients of a backward stage, their transposes) can
+  // outnumber its rows: with 50 rows and 128-wide layers the most common leading size was
+  // 128 and the stage's [50, 128] x [128, 128] products ran whole. So each of the most
+  // common sizes is planned, and a less common one replaces the most common only when its
+  // regions hold more row products.
+  constexpr int64_t kTallRows = 256;
+  constexpr std::size_t kCandidates = 3;
+  std::map<int64_t, int> counts;
+  for (int64_t floor : {std::max(min_rows, kTallRows), min_rows}) {
+    for (ir::Node* n : nodes)
+      for (ir::Value* o : n->outputs())
+        if (auto* t = o->tensor_type(); t && t->sizes.size() == 2 && t->sizes[0] >= floor) ++counts[t->sizes[0]];
+    if (!counts.empty()) break;
+  }
+  std::vector<std::pair<int, int64_t>> by_count;  // (count, N), most common first
+  for (const auto& [n_rows, count] : counts) by_count.emplace_back(count, n_rows);
+  std::stable_sort(by_count.begin(), by_count.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  if (by_count.size() > kCandidates) by_count.resize(kCandidates);
+  std::vector<TiledRegion> best;
+  std::size_t best_products = 0;
+  for (std::size_t c = 0; c < by_count.size(); ++c) {
+    std::vector<TiledRegion> regions = tiling::row_tiled_regions_with_rows(nodes, by_count[c].second, max_width);
+    std::size_t products = 0;
+    for (const TiledRegion& r : regions)
+      for (const ir::Node* n : r.nodes) {
+        const ir::Op* op = n->get_if<ir::Op>();
+        if (!r.reductions.count(n) && (tiling::is_matrix_product(*n) || (op && op->id() == OpId::addmm))) ++products;
+      }
+    if (c == 0 || products > best_products) {
+      best = std::move(regions);
+      best_products = products;
+    }
+  }
+  return best;
 }
 
 }  // namespace stagejit::closure
