@@ -34,6 +34,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 
 namespace sj = stagejit;
 using namespace sj::testing::pinn_step;
@@ -367,12 +368,19 @@ TEST_CASE("product count: the WGAN-GP critic's compiled modes do no more product
 // - only fusion groups read a mask. ReLU's backward, a lone masked_fill(g, mask, 0)
 //   between two products, split the whole loss's backward stage the same way (a 128-wide
 //   ReLU critic's whole loss: 13.5 -> 7.9 ms per step, bench/higher_order.md).
+// Also with fewer rows than the layers are wide (48 rows, 128 units): the backward stages'
+// weight-shaped values outnumber their rows, and the planner took N = 128, leaving the
+// stages' [48, 128] x [128, 128] products whole (find_row_tiled_regions, its N).
 TEST_CASE("product count: the critic's tiled steps run every product inside a row-tiled region") {
   if (!sj::ops::small_mm_enabled()) return;
-  for (const bool relu : {false, true}) {
+  for (const auto& [rows, width, relu] : {std::tuple{int64_t(1024), int64_t(64), false},
+                                          std::tuple{int64_t(1024), int64_t(64), true},
+                                          std::tuple{int64_t(48), int64_t(128), false}}) {
+    CAPTURE(rows);
+    CAPTURE(width);
     CAPTURE(relu);
     sj::fusion::set_wait_for_kernels(true);  // every call with the kernels built: none runs a region untiled
-    const auto data = critic_data(1024, 8, 64);
+    const auto data = critic_data(rows, 8, width);
     auto net = sj::compile(relu ? &relu_critic : &critic, {.derivatives = 2});
     auto loss = sj::compile(relu ? &relu_critic_loss : &critic_loss, {.derivatives = 1});
     const Step ref = torch_critic_step_with(data, relu);
