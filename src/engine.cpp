@@ -315,7 +315,7 @@ class JointImpl final : public ClosureImpl {
       for (std::size_t m = 0; m < members_.size(); ++m)
         if (!present_[m]) all_needed[m].assign(members_[m] ? members_[m]->next_functions.size() : 0, 0);
       std::vector<variable_list> all_inputs = member_inputs;
-      joint = runner_->apply_joint(std::move(all_inputs), all_needed);
+      joint = runner_->apply_joint(std::move(all_inputs), all_needed, members_);
     }
     variable_list result;
     result.reserve(total_outputs());
@@ -368,6 +368,7 @@ void form_joint_nodes(GraphTask& task) {
     }
     std::vector<std::shared_ptr<Function>> members = runner->joint_members();
     if (members.size() < 2) continue;
+    const std::size_t joint_chain = members.size();
     std::vector<char> present(members.size(), 0);
     std::vector<uint32_t> member_idx(members.size(), 0);
     std::size_t count = 0;
@@ -383,7 +384,26 @@ void form_joint_nodes(GraphTask& task) {
       self_in = self_in || it->second == idx;
       ++count;
     }
-    if (count < 2 || !self_in) continue;
+    if (!self_in) continue;
+    // Note [Joint siblings]: other closures' calls with the same members but the last,
+    // which is their own Function (calls of the last stage made by other applications of
+    // the chain's call before it), up to the runner's capacity.
+    if (const std::size_t capacity = runner->joint_sibling_capacity(); capacity > 0) {
+      const void* key = runner->joint_sibling_key();
+      for (std::size_t j = 0; j < original && key && members.size() - joint_chain < capacity; ++j) {
+        const Node& n = task.nodes[j];
+        if (j == idx || !n.needed || n.captured || n.joined_into >= 0 || has_callbacks(n.fn)) continue;
+        const auto* c = std::get_if<ClosureFunction>(&n.fn->kind);
+        if (!c || !c->impl || c->impl->joint_sibling_key() != key) continue;
+        std::vector<std::shared_ptr<Function>> theirs = c->impl->joint_members();
+        if (theirs.size() != joint_chain || !theirs.back() || theirs.back().get() != n.fn) continue;
+        members.push_back(theirs.back());
+        present.push_back(1);
+        member_idx.push_back(static_cast<uint32_t>(j));
+        ++count;
+      }
+    }
+    if (count < 2) continue;
     // No member may reach another through the task's graph.
     std::vector<char> is_member(original, 0);
     for (std::size_t m = 0; m < members.size(); ++m)

@@ -4,12 +4,15 @@
 // (a PINN loss on u, u_x and u_xx) runs them as one compiled sweep. Checked against
 // libtorch's autograd in double, for the full chain, a chain with a member left out, a
 // chain whose members reach each other (not joined), create_graph (not joined) and with
-// the option off; and against the IR: the joint stage's variant is what ran.
+// the option off; and against the IR: the joint stage's variant is what ran. Note [Joint
+// siblings] (passes/joint_siblings.hpp): a Laplacian from one grad per input column, whose
+// calls of the last stage are siblings, runs them in the same sweep.
 #include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include "../support/pinn_step.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -65,9 +68,165 @@ std::size_t non_capturing_backward_variants(const sj::closure::MultiStageClosure
   return n;
 }
 
+// Note [Joint siblings]: inputs of `mlp` with `dim` input columns.
+std::vector<at::Tensor> data_of_dim(int64_t n, int64_t h, int64_t dim) {
+  auto d = data_of(n, h);
+  d[0] = at::rand({n, dim}, at::kDouble) * 2 - 1;
+  d[1] = at::randn({dim, h}, at::kDouble) * 0.7;
+  return d;
+}
+
+// A Poisson-like loss written as a user writes a Laplacian: one grad per input column of
+// u_x, each differentiated again, and a seed per column (`seeds[i]`, ones when undefined).
+sj::Variable laplacian_loss(const sj::variable_list& in, const sj::Variable& u, const sj::variable_list& seeds) {
+  const auto x = in[0];
+  const int64_t dim = x.data().size(1);
+  auto du = sj::grad({u}, {x}, {sj::Variable(at::ones_like(u.data()))}, true)[0];
+  sj::Variable lap;
+  for (int64_t i = 0; i < dim; ++i) {
+    auto di = sj::narrow(du, 1, i, 1);
+    auto seed = seeds.size() > static_cast<std::size_t>(i) && seeds[i].defined() ? seeds[i]
+                                                                               : sj::Variable(at::ones_like(di.data()));
+    auto dii = sj::narrow(sj::grad({di}, {x}, {seed}, true)[0], 1, i, 1);
+    lap = i == 0 ? dii : sj::add(lap, dii);
+  }
+  auto r = sj::add(lap, sj::mul(u, u));
+  return sj::add(sj::mean(sj::mul(r, r)), sj::mean(sj::mul(u, u)));
+}
+
+torch::Tensor torch_laplacian_loss(const std::vector<torch::Tensor>& in, const torch::Tensor& u,
+                                   const std::vector<torch::Tensor>& seeds) {
+  const auto& x = in[0];
+  auto du = torch::autograd::grad({u}, {x}, {torch::ones_like(u)}, true, true)[0];
+  torch::Tensor lap;
+  for (int64_t i = 0; i < x.size(1); ++i) {
+    auto di = du.narrow(1, i, 1);
+    auto seed = seeds.size() > static_cast<std::size_t>(i) && seeds[i].defined() ? seeds[i] : torch::ones_like(di);
+    auto dii = torch::autograd::grad({di}, {x}, {seed}, true, true)[0].narrow(1, i, 1);
+    lap = i == 0 ? dii : lap + dii;
+  }
+  auto r = lap + u * u;
+  return (r * r).mean() + (u * u).mean();
+}
+
+// Variants built of the regular stage `s`.
+std::size_t stage_variants(const sj::closure::MultiStageClosure& c, std::size_t s) {
+  std::size_t n = 0;
+  for (const auto& v : c.variants()) n += v->key.stage == s;
+  return n;
+}
+
+// How many sibling copies ran in the joint stage's variants: per variant, the copies
+// with a defined gradient input (the inputs after the chain's, `gradients + values` per copy).
+std::size_t siblings_joined(const sj::closure::MultiStageClosure& c) {
+  std::size_t most = 0;
+  const auto& layout = c.joint_siblings;
+  if (layout.copies == 0) return 0;
+  const std::size_t per_copy = layout.gradients + layout.values;
+  const std::size_t inputs = c.plan.stage_inputs(c.joint_stage).size();
+  const std::size_t first = inputs - layout.copies * per_copy;
+  for (const auto& v : c.variants()) {
+    if (v->key.stage != c.joint_stage) continue;
+    std::size_t joined = 0;
+    for (std::size_t j = 0; j < layout.copies; ++j) {
+      bool any = false;
+      for (std::size_t i = 0; i < layout.gradients; ++i) any = any || v->key.defined_inputs[first + j * per_copy + i];
+      joined += any;
+    }
+    most = std::max(most, joined);
+  }
+  return most;
+}
+
 }  // namespace
 
 TEST_SUITE("closure") {
+
+TEST_CASE("joint siblings: a Laplacian from one grad per column runs in one sweep and equals libtorch") {
+  at::manual_seed(26);
+  for (int64_t dim : {2, 3, 4}) {
+    for (int64_t n : {48, 4200}) {  // untiled, and row-tiled where LIBXSMM is found
+      CAPTURE(dim);
+      CAPTURE(n);
+      const auto data = data_of_dim(n, 7, dim);
+      auto tin = torch_inputs(data);
+      auto tloss = torch_laplacian_loss(tin, torch_mlp(tin), {});
+      auto twant = torch::autograd::grad({tloss}, std::vector<torch::Tensor>(tin.begin() + 1, tin.end()));
+      auto net = sj::compile(mlp, {.derivatives = 3, .cross_stage_gradients = false});
+      for (int round = 0; round < 2; ++round) {
+        CAPTURE(round);
+        auto in = inputs_of(data);
+        auto loss = laplacian_loss(in, net(in)[0], {});
+        CHECK(rel(loss.data(), tloss.detach()) <= 1e-12);
+        auto g = sj::grad({loss}, sj::variable_list(in.begin() + 1, in.end()));
+        std::vector<at::Tensor> got;
+        for (const auto& v : g) got.push_back(v.data());
+        check_grads(got, {twant.begin(), twant.end()});
+      }
+      auto closure = net.closure_for(inputs_of(data));
+      REQUIRE(closure->joint_stage == 4);
+      CHECK(closure->joint_siblings.copies == 2);
+      CHECK(closure->joint_siblings_ok);
+      // dim calls of stage 3: the chain's and dim - 1 siblings, of which two fit.
+      CHECK(siblings_joined(*closure) == std::min<std::size_t>(dim - 1, 2));
+      // A sibling beyond the copies runs its stage on its own.
+      CHECK(stage_variants(*closure, 3) == (dim > 3 ? 1u : 0u));
+    }
+  }
+}
+
+TEST_CASE("joint siblings: off, each sibling runs its stage on its own with the same results") {
+  at::manual_seed(27);
+  const auto data = data_of_dim(40, 6, 2);
+  auto tin = torch_inputs(data);
+  auto tloss = torch_laplacian_loss(tin, torch_mlp(tin), {});
+  auto twant = torch::autograd::grad({tloss}, std::vector<torch::Tensor>(tin.begin() + 1, tin.end()));
+  sj::CompileOptions o;
+  o.derivatives = 3;
+  o.cross_stage_gradients = false;
+  o.joint_siblings = 0;
+  auto net = sj::compile(mlp, o);
+  auto in = inputs_of(data);
+  auto g = sj::grad({laplacian_loss(in, net(in)[0], {})}, sj::variable_list(in.begin() + 1, in.end()));
+  std::vector<at::Tensor> got;
+  for (const auto& v : g) got.push_back(v.data());
+  check_grads(got, {twant.begin(), twant.end()});
+  auto closure = net.closure_for(in);
+  CHECK(closure->joint_siblings.copies == 0);
+  CHECK(siblings_joined(*closure) == 0);
+  CHECK(stage_variants(*closure, 3) == 1);
+}
+
+// A sibling whose grad output requires grad and is differentiated: the gradient of its
+// own stage-2 input is needed, which the copies leave to the chain's call, so that
+// sibling runs apart (the chain's call and the other sibling still run as one).
+TEST_CASE("joint siblings: a sibling that needs the gradient of its own seed runs apart") {
+  at::manual_seed(28);
+  const auto data = data_of_dim(36, 5, 3);
+  auto seed_data = at::rand({36, 1}, at::kDouble) + 0.5;
+  auto tin = torch_inputs(data);
+  auto tseed = seed_data.clone().set_requires_grad(true);
+  auto tloss = torch_laplacian_loss(tin, torch_mlp(tin), {torch::Tensor(), tseed});
+  std::vector<torch::Tensor> twrt(tin.begin() + 1, tin.end());
+  twrt.push_back(tseed);
+  auto twant = torch::autograd::grad({tloss}, twrt);
+
+  auto net = sj::compile(mlp, {.derivatives = 3, .cross_stage_gradients = false});
+  for (int round = 0; round < 2; ++round) {
+    CAPTURE(round);
+    auto in = inputs_of(data);
+    sj::Variable seed(seed_data, true);
+    auto loss = laplacian_loss(in, net(in)[0], {sj::Variable(), seed});
+    sj::variable_list wrt(in.begin() + 1, in.end());
+    wrt.push_back(seed);
+    auto g = sj::grad({loss}, wrt);
+    std::vector<at::Tensor> got;
+    for (const auto& v : g) got.push_back(v.data());
+    check_grads(got, {twant.begin(), twant.end()});
+  }
+  CHECK(siblings_joined(*net.closure_for(inputs_of(data))) >= 1);
+}
+
 
 TEST_CASE("joint backward: the PINN step's final backward runs the joint stage and equals libtorch") {
   at::manual_seed(21);

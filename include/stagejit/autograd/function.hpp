@@ -129,14 +129,25 @@ class ClosureImpl {
   /// engine joins those a graph task reaches (none reaching another) into one Function
   /// whose inputs and next_functions are the members', and calls `apply_joint`.
   virtual std::vector<std::shared_ptr<Function>> joint_members() const { return {}; }
-  /// Runs the members of `joint_members()` together: `inputs[m]` the incoming gradients
-  /// of member m (empty: not part of the backward), `needed[m]` which of its outputs the
-  /// backward needs. Returns each member's outputs (sized as its next_functions), or
-  /// nullopt when it cannot (the engine then applies the members one by one).
+  /// Note [Joint siblings] (passes/joint_siblings.hpp): how many *siblings* the joint
+  /// unit can take besides `joint_members()`: Functions of other closures with the same
+  /// `joint_sibling_key()`, whose `joint_members()` has as many entries and themselves
+  /// last. 0 (the default): none.
+  virtual std::size_t joint_sibling_capacity() const { return 0; }
+  /// Note [Joint siblings]: closures whose keys are equal (and not null) are siblings.
+  virtual const void* joint_sibling_key() const { return nullptr; }
+  /// Runs the members of `joint_members()`, then the siblings the engine joined, together:
+  /// `members` those Functions (null where one is gone), `inputs[m]` the incoming
+  /// gradients of member m (empty: not part of the backward), `needed[m]` which of its
+  /// outputs the backward needs. Returns each member's outputs (sized as its
+  /// next_functions), or nullopt when it cannot (the engine then applies the members one
+  /// by one).
   virtual std::optional<std::vector<variable_list>> apply_joint(std::vector<variable_list> inputs,
-                                                                const std::vector<std::vector<char>>& needed) {
+                                                                const std::vector<std::vector<char>>& needed,
+                                                                const std::vector<std::shared_ptr<Function>>& members) {
     (void)inputs;
     (void)needed;
+    (void)members;
     return std::nullopt;
   }
 };

@@ -63,6 +63,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -99,6 +100,16 @@ struct MultiStageClosure {
   std::size_t joint_stage = 0;
   /// The earlier-stage tensors the joint stage reads (as `StageClosure::prev_slots`).
   std::vector<std::size_t> joint_prev_slots;
+  /// Note [Joint siblings]: the joint stage's sibling copies (`ir::Graph::joint_siblings`)
+  /// and the slots of the stage k-1 values each copy reads from its sibling's
+  /// environment (those of the tie outputs).
+  ir::Graph::JointSiblings joint_siblings;
+  std::vector<std::size_t> joint_sibling_slots;
+  /// Whether siblings can join (every tie output has a slot).
+  bool joint_siblings_ok = false;
+  /// Per output of the last stage: whether it is the gradient of an input of stage k-1
+  /// (a sibling's own, which the copies leave to the chain's call).
+  std::vector<char> joint_sibling_own;
 
   /// Builds every stage's closure. `graph` is the optimised graph of `trace` (same
   /// inputs and outputs). Throws `CompileError` (see StageClosure).
@@ -118,6 +129,11 @@ struct MultiStageClosure {
       gradient_of.push_back(trace.gradient_of(s));
       feeds.push_back(trace.feeds(s));
       cross_stage = cross_stage || !feeds.back().empty();
+    }
+    if (joint_stage != 0) {
+      const std::size_t k = joint_stage - 1;
+      for (std::size_t gi : gradient_of.at(k))
+        joint_sibling_own.push_back(gi < graph->inputs().size() && graph->inputs()[gi]->stage() + 1 == k);
     }
   }
 
@@ -202,6 +218,17 @@ struct MultiStageClosure {
     if (joint_stage != 0)
       for (std::size_t slot : plan.uses_from_earlier(joint_stage))
         if (!plan.slot_value(slot)->is_handle()) joint_prev_slots.push_back(slot);
+    if (joint_stage != 0 && graph->joint_siblings().copies > 0) {
+      joint_siblings = graph->joint_siblings();
+      const auto& outs = plan.stage_outputs(joint_stage);
+      bool ok = joint_siblings.outputs + joint_siblings.values == outs.size();
+      for (std::size_t i = 0; ok && i < joint_siblings.values; ++i) {
+        const std::ptrdiff_t slot = plan.slot_of(outs[joint_siblings.outputs + i]);
+        ok = slot >= 0;
+        if (ok) joint_sibling_slots.push_back(static_cast<std::size_t>(slot));
+      }
+      joint_siblings_ok = ok;  // else siblings run their stage alone
+    }
   }
 };
 
@@ -245,6 +272,19 @@ class StageCall final : public ClosureImpl {
     run_stage(stage_, inputs, state, needed, captures);
   }
 
+  /// Note [Joint siblings]: the copies the joint stage has for sibling calls, when this
+  /// call is of the last stage (0 otherwise).
+  /// Note [Joint siblings]: the calls of the last stage made by one call of the stage
+  /// before (one application each) share the key of that call.
+  const void* joint_sibling_key() const override { return joint_sibling_capacity() > 0 ? parent_token_.get() : nullptr; }
+
+  std::size_t joint_sibling_capacity() const override {
+    const auto& d = *desc_;
+    return d.joint_stage != 0 && stage_ + 1 == d.joint_stage && d.specialize && d.joint_siblings_ok
+               ? d.joint_siblings.copies
+               : 0;
+  }
+
   /// Note [Joint backward]: the Functions of the calls of stages 1..k of this call's chain
   /// (this call is of stage k, the last, and the graph has a joint stage), earliest
   /// first, this call's own last; null where a call is gone. Empty otherwise.
@@ -264,29 +304,80 @@ class StageCall final : public ClosureImpl {
   /// undefined. Nullopt (the engine then applies the members one by one) in grad mode
   /// (the joint stage records no graph), without specialisation, or when the joint
   /// stage's variant cannot be built.
+  ///
+  /// Note [Joint siblings]: members after the chain's are siblings (calls of stage k of
+  /// this closure made by other applications of the chain's call of stage k-1); each runs
+  /// in a copy of the joint stage, from its incoming gradients and the stage k-1 values
+  /// of its own environment, and returns only the gradients of its own stage k-1 inputs
+  /// (the others are in this call's totals). A sibling that needs those runs apart.
   std::optional<std::vector<variable_list>> apply_joint(
-      std::vector<variable_list> inputs, const std::vector<std::vector<char>>& needed) override {
+      std::vector<variable_list> inputs, const std::vector<std::vector<char>>& needed,
+      const std::vector<std::shared_ptr<Function>>& members) override {
     const auto& d = *desc_;
     const std::size_t J = d.joint_stage;
-    if (J == 0 || stage_ + 1 != J || !d.specialize || GradMode::is_enabled() || inputs.size() != stage_ ||
-        needed.size() != stage_)
+    const std::size_t siblings = inputs.size() - std::min(inputs.size(), stage_);
+    if (J == 0 || stage_ + 1 != J || !d.specialize || GradMode::is_enabled() || inputs.size() < stage_ ||
+        needed.size() != inputs.size() || (siblings > 0 && (!d.joint_siblings_ok || siblings > d.joint_siblings.copies)) ||
+        (siblings > 0 && members.size() != inputs.size()))
       return std::nullopt;
     variable_list joint_inputs;
     joint_inputs.reserve(d.plan.stage_inputs(J).size());
-    for (std::size_t m = 0; m < inputs.size(); ++m) {
+    for (std::size_t m = 0; m < stage_; ++m) {
       const std::size_t count = d.flags[m + 1].inputs.size();
       STAGEJIT_CHECK(inputs[m].empty() || inputs[m].size() == count, "compiled stage ", m + 1,
                      ": joint backward got ", inputs[m].size(), " gradients, expected ", count);
       for (std::size_t i = 0; i < count; ++i) joint_inputs.push_back(inputs[m].empty() ? Variable() : inputs[m][i]);
     }
+    // The siblings: a copy each, or apart when one needs the gradient of its own stage
+    // k-1 inputs (a copy leaves those to the chain's call).
+    const std::size_t k = stage_;
+    std::vector<variable_list> outs(inputs.size());
+    std::vector<char> apart(siblings, 0);
+    for (std::size_t c = 0; c < d.joint_siblings.copies; ++c) {
+      const StageCall* sib = nullptr;
+      if (c < siblings) {
+        const std::size_t m = k + c;
+        const auto* fn = members[m] ? std::get_if<ClosureFunction>(&members[m]->kind) : nullptr;
+        sib = fn ? dynamic_cast<const StageCall*>(fn->impl.get()) : nullptr;
+        STAGEJIT_CHECK(sib && sib->desc_ == desc_ && sib->stage_ == stage_, "compiled stage ", stage_,
+                       ": joint backward sibling ", c, " is not a call of this stage");
+        STAGEJIT_CHECK(inputs[m].empty() || inputs[m].size() == d.joint_siblings.gradients, "compiled stage ",
+                       stage_, ": joint backward sibling ", c, " got ", inputs[m].size(), " gradients, expected ",
+                       d.joint_siblings.gradients);
+        for (std::size_t i = 0; i < needed[m].size() && i < d.joint_sibling_own.size(); ++i)
+          if (needed[m][i] && d.joint_sibling_own[i]) apart[c] = 1;
+        if (apart[c]) sib = nullptr;
+      }
+      for (std::size_t i = 0; i < d.joint_siblings.gradients; ++i)
+        joint_inputs.push_back(sib && !inputs[k + c].empty() ? inputs[k + c][i] : Variable());
+      for (std::size_t v = 0; v < d.joint_siblings.values; ++v) {
+        const std::size_t slot = v < d.joint_sibling_slots.size() ? d.joint_sibling_slots[v] : SIZE_MAX;
+        if (sib && slot < sib->env_values_.size() && sib->env_values_[slot].defined()) {
+          sib->check_version(slot);
+          joint_inputs.push_back(sib->env_values_[slot]);
+        } else {
+          joint_inputs.push_back(Variable());
+        }
+      }
+    }
     if (joint_inputs.size() != d.plan.stage_inputs(J).size()) return std::nullopt;
-    std::vector<char> mask = needed.back();
-    mask.resize(d.plan.stage_outputs(J).size(), 1);
+    std::vector<char> mask = needed[k - 1];
+    mask.resize(d.joint_siblings.copies > 0 ? d.joint_siblings.outputs : d.plan.stage_outputs(J).size(), 1);
+    mask.resize(d.plan.stage_outputs(J).size(), 0);  // the tie outputs: never
     CallState state;
     if (!run_stage(J, joint_inputs, state, &mask, /*captures=*/false)) return std::nullopt;
-    std::vector<variable_list> outs(inputs.size());
-    for (std::size_t m = 0; m + 1 < inputs.size(); ++m) outs[m].resize(d.gradient_of[m + 1].size());
-    outs.back() = std::move(state.outputs);
+    for (std::size_t m = 0; m + 1 < k; ++m) outs[m].resize(d.gradient_of[m + 1].size());
+    state.outputs.resize(d.gradient_of[k].size());
+    outs[k - 1] = std::move(state.outputs);
+    for (std::size_t c = 0; c < siblings; ++c) {
+      const std::size_t m = k + c;
+      if (!apart[c]) {
+        outs[m].resize(d.gradient_of[k].size());
+        continue;
+      }
+      auto* fn = std::get_if<ClosureFunction>(&members[m]->kind);
+      outs[m] = fn->impl->apply(std::move(inputs[m]), needed[m]);
+    }
     return outs;
   }
 
@@ -560,6 +651,10 @@ class StageCall final : public ClosureImpl {
                                             std::move(versions));
     const auto num_grads = static_cast<uint32_t>(d.flags[next].inputs.size());
     auto fn = make_function(ClosureFunction{impl}, std::move(next_edges), num_grads);
+    if (d.joint_stage != 0 && next + 1 == d.joint_stage) {
+      if (!token_) token_ = std::make_shared<const char>(0);
+      impl->parent_token_ = token_;  // Note [Joint siblings]
+    }
     if (d.cross_stage || d.joint_stage != 0) {
       impl->stage_functions_ = stage_functions_;
       impl->stage_functions_.resize(d.num_stages());
@@ -626,6 +721,10 @@ class StageCall final : public ClosureImpl {
   /// members of a joint backward (Note [Joint backward]). Weak: a later call's
   /// next_functions hold the ones it feeds.
   std::vector<std::weak_ptr<Function>> stage_functions_;
+  /// Note [Joint siblings]: this call's identity, shared by the calls it makes (held by
+  /// them, so never reused while one lives), and the identity of the call that made this one.
+  std::shared_ptr<const char> token_;
+  std::shared_ptr<const char> parent_token_;
   std::string name_;
 };
 

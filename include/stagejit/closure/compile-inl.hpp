@@ -17,6 +17,7 @@
 #include <stagejit/passes/cse.hpp>
 #include <stagejit/passes/dce.hpp>
 #include <stagejit/passes/graph_fuser.hpp>
+#include <stagejit/passes/joint_siblings.hpp>
 #include <stagejit/passes/rematerialize.hpp>
 #include <stagejit/passes/peephole.hpp>
 #include <stagejit/trace/trace.hpp>
@@ -295,6 +296,14 @@ STAGEJIT_FUNC std::shared_ptr<const closure::MultiStageClosure> CompiledFunction
       passes::fold_double_transposes(*g);
       passes::eliminate_dead_code(*g);
       if (o.rematerialize && !cross_stage) passes::rematerialize_cross_stage(*g);
+      if (const std::size_t J = g->joint_stage(); J != 0 && o.joint_siblings > 0) {
+        // Note [Joint siblings]: the outputs that are gradients of stage k-1's inputs.
+        const auto& grads_of = tr.gradient_of(J);
+        std::vector<char> seed_outputs(grads_of.size(), 0);
+        for (std::size_t i = 0; i < grads_of.size(); ++i)
+          seed_outputs[i] = grads_of[i] < g->inputs().size() && g->inputs()[grads_of[i]]->stage() + 2 == J;
+        passes::add_joint_siblings(*g, tr.flags(J - 1).inputs.size(), seed_outputs, o.joint_siblings);
+      }
     }
     if (o.fuse) passes::fuse(*g);
     return g;

@@ -81,6 +81,14 @@ struct CompileOptions {
   /// run one after another, each differentiating it again (Note [Joint backward] in
   /// closure/autograd_closure.hpp). Its variants are built on first use.
   bool joint_backward = true;
+  /// With `joint_backward` and `optimize`: the joint backward also serves up to this many
+  /// *sibling* calls of the last stage besides the chain's own (a Laplacian from one
+  /// `grad` per input column applies u_x's backward once per column; Note [Joint
+  /// siblings] in passes/joint_siblings.hpp), in the same sweep. 0: siblings run their
+  /// stage on their own, each differentiating the forward again. Each copy adds the
+  /// backward of the last stage to the joint stage's graph (passes, not kernels: a
+  /// variant compiles the copies it runs).
+  std::size_t joint_siblings = 2;
   /// Rows per tile of each stage's row-tiled region (closure/tiled_plan.hpp, Note
   /// [Row-tiled regions]): the nodes of a stage that work row by row on tensors of at
   /// least 2 rows (`closure::kMinTiledRows`) (fused kernels, thin products, weight and

@@ -249,6 +249,7 @@ STAGEJIT_FUNC std::shared_ptr<Graph> Graph::clone(std::vector<Value*>* value_map
     g->register_output(lookup(outputs()[i]), output_stage(i));
   g->current_stage_ = current_stage_;
   g->joint_stage_ = joint_stage_;
+  g->joint_siblings_ = joint_siblings_;
   if (value_map) *value_map = std::move(map);
   return g;
 }

@@ -385,6 +385,17 @@ class Graph {
                       " stages (the joint stage is the last one, after at least two backward stages)");
     joint_stage_ = stage;
   }
+  /// Note [Joint siblings] (passes/joint_siblings.hpp): how the joint stage's inputs and
+  /// outputs are laid out when `passes::add_joint_siblings` gave it copies for sibling
+  /// calls. `copies` 0: none (the joint stage's inputs and outputs are the trace's).
+  struct JointSiblings {
+    size_t copies = 0;     ///< sibling copies of the last stage's backward
+    size_t gradients = 0;  ///< per copy: the gradient inputs of the last member (stage k)
+    size_t values = 0;     ///< per copy: the stage k-1 values read from the sibling's environment
+    size_t outputs = 0;    ///< the joint stage's outputs before the `values` tie outputs
+  };
+  const JointSiblings& joint_siblings() const noexcept { return joint_siblings_; }
+  void set_joint_siblings(const JointSiblings& s) { joint_siblings_ = s; }
   /// Whether a node of stage `reader` may read a value of stage `producer`: an earlier
   /// or the same stage, except that the joint stage does not read the stage before it
   /// (Note [Joint stage]).
@@ -467,6 +478,7 @@ class Graph {
   std::vector<size_t> stage_output_counts_;
   size_t current_stage_ = 0;
   size_t joint_stage_ = 0;  // Note [Joint stage]
+  JointSiblings joint_siblings_;  // Note [Joint siblings]
   size_t next_id_ = 0;
 };
 

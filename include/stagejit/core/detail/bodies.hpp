@@ -35,6 +35,7 @@
 #include <stagejit/passes/cse-inl.hpp>
 #include <stagejit/passes/zeros-inl.hpp>
 #include <stagejit/passes/rematerialize-inl.hpp>
+#include <stagejit/passes/joint_siblings-inl.hpp>
 #include <stagejit/passes/graph_fuser-inl.hpp>
 #include <stagejit/trace/interpret-inl.hpp>
 #include <stagejit/trace/detail/tracer_impl-inl.hpp>
