@@ -19,7 +19,10 @@
 // members' records stay in the task (edges into them still say they are needed) but
 // forward what is delivered to them into the joint node at their input offset; the
 // joint node's dependency count is the sum of theirs. It runs once all the members'
-// gradients are in, and calls `apply_joint`, or applies the members one by one.
+// gradients are in, and calls `apply_joint`, or applies the members one by one. Up to
+// `joint_sibling_capacity()` other closures with the runner's `joint_sibling_key()` (calls
+// of the last stage made by the same call of the stage before) join as members after the
+// chain's (Note [Joint siblings] in passes/joint_siblings.hpp).
 //
 // Note [Deterministic fan-in]
 // Each contribution to an input slot carries a key (producer's discovery index in the

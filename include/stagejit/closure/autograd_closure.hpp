@@ -48,7 +48,9 @@
 /// return nothing. Not joined (the calls run one by one, as before): in create_graph
 /// backwards (the joint stage records no graph), when a member reaches another through
 /// the backward graph (a grad output computed from u), and with cross-stage gradients,
-/// whose calls feed each other.
+/// whose calls feed each other. Calls of stage k that other applications of the chain's
+/// call of stage k-1 made (a Laplacian's one grad per column) join the same node as
+/// siblings (Note [Joint siblings] in passes/joint_siblings.hpp).
 
 #include <stagejit/autograd/engine.hpp>
 #include <stagejit/autograd/function.hpp>
