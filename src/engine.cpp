@@ -406,34 +406,45 @@ void form_joint_nodes(GraphTask& task) {
         ++count;
       }
     }
-    if (count < 2) continue;
     // No member may reach another through the task's graph.
-    std::vector<char> is_member(original, 0);
-    for (std::size_t m = 0; m < members.size(); ++m)
-      if (present[m]) is_member[member_idx[m]] = 1;
-    bool reaches = false;
-    for (std::size_t m = 0; m < members.size() && !reaches; ++m) {
-      if (!present[m]) continue;
-      std::vector<char> seen(original, 0);
-      std::vector<uint32_t> stack;
-      auto push_next = [&](const Function& f) {
-        for (const Edge& e : f.next_functions) {
-          if (!e.is_valid()) continue;
-          auto it = task.index.find(e.function.get());
-          if (it == task.index.end() || seen[it->second]) continue;
-          seen[it->second] = 1;
-          stack.push_back(it->second);
+    auto members_reach = [&] {
+      std::vector<char> is_member(original, 0);
+      for (std::size_t m = 0; m < members.size(); ++m)
+        if (present[m]) is_member[member_idx[m]] = 1;
+      for (std::size_t m = 0; m < members.size(); ++m) {
+        if (!present[m]) continue;
+        std::vector<char> seen(original, 0);
+        std::vector<uint32_t> stack;
+        auto push_next = [&](const Function& f) {
+          for (const Edge& e : f.next_functions) {
+            if (!e.is_valid()) continue;
+            auto it = task.index.find(e.function.get());
+            if (it == task.index.end() || seen[it->second]) continue;
+            seen[it->second] = 1;
+            stack.push_back(it->second);
+          }
+        };
+        push_next(*members[m]);
+        while (!stack.empty()) {
+          const uint32_t n = stack.back();
+          stack.pop_back();
+          if (is_member[n]) return true;
+          push_next(*task.nodes[n].fn);
         }
-      };
-      push_next(*members[m]);
-      while (!stack.empty() && !reaches) {
-        const uint32_t n = stack.back();
-        stack.pop_back();
-        if (is_member[n]) reaches = true;
-        else push_next(*task.nodes[n].fn);
       }
+      return false;
+    };
+    bool reaches = count >= 2 && members_reach();
+    if (reaches && members.size() > joint_chain) {
+      // A sibling reaching a member (its grad output computed from u) must not keep the
+      // chain from joining: join the chain alone, the siblings run on their own.
+      count -= members.size() - joint_chain;
+      members.resize(joint_chain);
+      present.resize(joint_chain);
+      member_idx.resize(joint_chain);
+      reaches = count >= 2 && members_reach();
     }
-    if (reaches) continue;
+    if (count < 2 || reaches) continue;
     std::vector<Edge> next;
     uint32_t inputs = 0;
     int deps = 0;

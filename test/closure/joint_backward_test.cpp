@@ -197,6 +197,31 @@ TEST_CASE("joint siblings: off, each sibling runs its stage on its own with the 
   CHECK(stage_variants(*closure, 3) == 1);
 }
 
+// A sibling whose grad output is computed from u reaches the chain's call of stage 1
+// through it: the chain still runs as one sweep, that sibling on its own.
+TEST_CASE("joint siblings: a sibling reaching a member leaves the chain joined") {
+  at::manual_seed(29);
+  const auto data = data_of_dim(30, 5, 2);
+  auto tin = torch_inputs(data);
+  auto tu = torch_mlp(tin);
+  auto tloss = torch_laplacian_loss(tin, tu, {torch::Tensor(), torch::sin(tu)});
+  auto twant = torch::autograd::grad({tloss}, std::vector<torch::Tensor>(tin.begin() + 1, tin.end()));
+  auto net = sj::compile(mlp, {.derivatives = 3, .cross_stage_gradients = false});
+  for (int round = 0; round < 2; ++round) {
+    CAPTURE(round);
+    auto in = inputs_of(data);
+    auto u = net(in)[0];
+    auto g = sj::grad({laplacian_loss(in, u, {sj::Variable(), sj::sin(u)})}, sj::variable_list(in.begin() + 1, in.end()));
+    std::vector<at::Tensor> got;
+    for (const auto& v : g) got.push_back(v.data());
+    check_grads(got, {twant.begin(), twant.end()});
+  }
+  auto closure = net.closure_for(inputs_of(data));
+  CHECK(joint_variants(*closure) == 1);
+  CHECK(siblings_joined(*closure) == 0);
+  CHECK(stage_variants(*closure, 3) == 1);
+}
+
 // A sibling whose grad output requires grad and is differentiated: the gradient of its
 // own stage-2 input is needed, which the copies leave to the chain's call, so that
 // sibling runs apart (the chain's call and the other sibling still run as one).

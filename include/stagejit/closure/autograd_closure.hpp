@@ -246,6 +246,9 @@ class StageCall final : public ClosureImpl {
         env_handles_(std::move(env_handles)), input_edges_(std::move(input_edges)),
         env_versions_(std::move(env_versions)) {
     name_ = "CompiledStage" + std::to_string(stage_);
+    // Note [Joint siblings]: the identity the calls of the last stage this call makes
+    // share (made here, not on first use: several threads may apply one call at once).
+    if (desc_->joint_stage != 0 && stage_ + 2 == desc_->joint_stage) token_ = std::make_shared<const char>(0);
     if (env_versions_.empty()) {
       env_versions_.reserve(env_values_.size());
       for (const auto& v : env_values_) env_versions_.push_back(version_of(v));
@@ -653,10 +656,7 @@ class StageCall final : public ClosureImpl {
                                             std::move(versions));
     const auto num_grads = static_cast<uint32_t>(d.flags[next].inputs.size());
     auto fn = make_function(ClosureFunction{impl}, std::move(next_edges), num_grads);
-    if (d.joint_stage != 0 && next + 1 == d.joint_stage) {
-      if (!token_) token_ = std::make_shared<const char>(0);
-      impl->parent_token_ = token_;  // Note [Joint siblings]
-    }
+    if (d.joint_stage != 0 && next + 1 == d.joint_stage) impl->parent_token_ = token_;  // Note [Joint siblings]
     if (d.cross_stage || d.joint_stage != 0) {
       impl->stage_functions_ = stage_functions_;
       impl->stage_functions_.resize(d.num_stages());
