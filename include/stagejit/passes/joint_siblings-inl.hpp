@@ -9,10 +9,62 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <algorithm>
 #include <functional>
+#include <string_view>
 #include <vector>
 
 namespace stagejit::passes {
+
+namespace detail {
+
+// Note [Joint siblings]: whether `n` is linear in its inputs for which `grad(v)` holds
+// (the gradients flowing through the joint stage) jointly, the other inputs fixed: sums of
+// copies may then be taken before `n` instead of after it. Unknown ops: false.
+template <class Grad>
+bool linear_in_gradients(const ir::Node& n, Grad&& grad) {
+  const ir::Op* op = n.get_if<ir::Op>();
+  if (!op) return false;
+  const std::size_t k = n.inputs().size();
+  auto g = [&](std::size_t i) { return i < k && grad(n.input(i)); };
+  auto scalar = [&](std::string_view key, double fallback) {
+    if (const ir::AttributeValue* v = op->attribute(key))
+      if (auto d = ir::attribute_as<double>(*v)) return *d;
+    return fallback;
+  };
+  std::size_t factors = 0;  // gradient operands of a product
+  switch (op->id()) {
+    case OpId::add: case OpId::sub: case OpId::rsub:
+      return k == 2 || scalar("other", 0) == 0;  // x + c is affine, not linear
+    case OpId::neg: case OpId::sum: case OpId::mean: case OpId::sum_to_size: case OpId::expand:
+    case OpId::reshape: case OpId::view: case OpId::t: case OpId::transpose: case OpId::permute:
+    case OpId::flatten: case OpId::unsqueeze: case OpId::squeeze: case OpId::narrow: case OpId::select:
+    case OpId::split: case OpId::chunk: case OpId::cat: case OpId::to: case OpId::zeros_like:
+    case OpId::index_select: case OpId::gather: case OpId::index_add: case OpId::scatter_add:
+      return true;
+    case OpId::mul: case OpId::mm: case OpId::matmul: case OpId::bmm: case OpId::cross:
+    case OpId::convolution: case OpId::convolution_weight_backward: case OpId::convolution_input_backward:
+      for (std::size_t i = 0; i < std::min<std::size_t>(k, 2); ++i) factors += g(i);
+      return factors <= 1;
+    case OpId::addmm:
+      return !(g(1) && g(2));
+    case OpId::div:
+      return !g(1);
+    case OpId::where:
+      return !g(0);
+    case OpId::masked_fill:
+      return k == 2 && !g(1) && scalar("value", 1) == 0;
+    case OpId::nll_loss_backward: case OpId::avg_pool2d_backward: case OpId::adaptive_avg_pool2d_backward:
+    case OpId::max_pool2d_with_indices_backward:
+      for (std::size_t i = 1; i < k; ++i)
+        if (g(i)) return false;
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace detail
 
 STAGEJIT_FUNC std::size_t add_joint_siblings(ir::Graph& g, std::size_t last_gradients,
                                              const std::vector<char>& seed_outputs, std::size_t copies) {
@@ -85,6 +137,15 @@ STAGEJIT_FUNC std::size_t add_joint_siblings(ir::Graph& g, std::size_t last_grad
   }
   for (std::size_t i = 0; i < outputs.size(); ++i)
     if (!seed_outputs[i] && of_t(outputs[i]) && !(f[outputs[i]->id()] & kA)) return 0;
+  // Every node on a path from the last member's gradients is linear in the gradients it
+  // reads (a backward is linear in its incoming gradients; checked op by op, not assumed).
+  auto is_gradient = [&](const ir::Value* v) { return (f[v->id()] & (kA | kR)) != 0; };
+  for (ir::Node* n : nodes) {
+    if (n->stage() != J) continue;
+    bool reads_last = false;
+    for (ir::Value* in : n->inputs()) reads_last = reads_last || (f[in->id()] & kA);
+    if (reads_last && !detail::linear_in_gradients(*n, is_gradient)) return 0;
+  }
 
   // The copies: new stage-J inputs (the sibling's gradients, then its values of `ties`)
   // and a clone of T reading them, placed after each original node.

@@ -40,7 +40,10 @@
 ///
 /// Checked, else the graph is left as it is (returns 0): a node outside T that reads a
 /// value of T must read one that depends on the last member's gradients (a gradient
-/// contribution, where the sum is exact); T holds only clonable ops.
+/// contribution, where the sum is exact); every node that reads a value depending on
+/// those gradients is linear in the gradients it reads, by a table of ops (`add` of two
+/// tensors, `mul` or `mm` with one gradient factor, `where` with a constant condition,
+/// views, sums...; an op outside it, or `x + c`, stops the pass); T holds only ops.
 ///
 /// Runs after the passes that change which values cross stages (CSE,
 /// rematerialisation) and before fusion, on primitive ops.
