@@ -277,12 +277,12 @@ class StageCall final : public ClosureImpl {
     run_stage(stage_, inputs, state, needed, captures);
   }
 
-  /// Note [Joint siblings]: the copies the joint stage has for sibling calls, when this
-  /// call is of the last stage (0 otherwise).
   /// Note [Joint siblings]: the calls of the last stage made by one call of the stage
   /// before (one application each) share the key of that call.
   const void* joint_sibling_key() const override { return joint_sibling_capacity() > 0 ? parent_token_.get() : nullptr; }
 
+  /// Note [Joint siblings]: the copies the joint stage has for sibling calls, when this
+  /// call is of the last stage (0 otherwise).
   std::size_t joint_sibling_capacity() const override {
     const auto& d = *desc_;
     return d.joint_stage != 0 && stage_ + 1 == d.joint_stage && d.specialize && d.joint_siblings_ok
