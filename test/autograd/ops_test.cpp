@@ -316,6 +316,71 @@ TEST_SUITE("autograd") {
     }
   }
 
+  // Note [Scalar arithmetic without TensorIterator] (ops/op_table-inl.hpp): the scalar
+  // forms of add, sub, rsub, mul and div skip ATen's TensorIterator on small float and
+  // double tensors. Their values must be ATen's bit for bit (one IEEE operation per
+  // element, NaN and inf included), with ATen's strides; every other layout, size and
+  // dtype goes to ATen itself.
+  TEST_CASE("scalar arithmetic equals ATen's bit for bit on every size and layout") {
+    at::manual_seed(11);
+    auto same_bits = [](const at::Tensor& a, const at::Tensor& b) {
+      if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+      const at::Tensor x = a.contiguous(), y = b.contiguous();
+      const at::Tensor both_nan = x.isnan().logical_and(y.isnan());
+      return bool(x.eq(y).logical_or(both_nan).all().item<bool>());
+    };
+    for (auto dtype : {at::kFloat, at::kDouble}) {
+      for (int64_t n : {1, 3, 7, 8, 9, 31, 257, 1000, 4097, 32768, 32769}) {
+        CAPTURE(n);
+        at::Tensor base = at::randn({n}, dtype) * 3;
+        base[0] = std::numeric_limits<double>::quiet_NaN();
+        if (n > 2) base[2] = std::numeric_limits<double>::infinity();
+        std::vector<std::pair<std::string, at::Tensor>> inputs{
+            {"contiguous", base.reshape({n, 1})},
+            {"one element expanded", base.narrow(0, n - 1, 1).reshape({1, 1}).expand({n, 3})},
+            {"strided", base.reshape({1, n}).expand({2, n}).t()},
+        };
+        if (n % 4 == 0) inputs.emplace_back("transposed", base.reshape({4, n / 4}).t());
+        for (const auto& [layout, x] : inputs) {
+          CAPTURE(layout);
+          const std::string dtype_name = c10::toString(dtype);
+          CAPTURE(dtype_name);
+          const sj::Variable v(x);
+          CHECK(same_bits((v * 0.3).data(), x * 0.3));
+          CHECK(same_bits((-2.5 * v).data(), -2.5 * x));
+          CHECK(same_bits((v / 7.0).data(), x / 7.0));
+          CHECK(same_bits((v + 1.25).data(), x + 1.25));
+          CHECK(same_bits((v - 0.1).data(), x - 0.1));
+          CHECK(same_bits((0.7 - v).data(), 0.7 - x));
+          CHECK(same_bits(sj::add(v, v, 1.0).data(), at::add(x, x)));
+          CHECK(same_bits(sj::rsub(v, 3.0, 2.0).data(), at::rsub(x, 3.0, 2.0)));
+          CHECK((v * 0.3).data().strides() == (x * 0.3).strides());
+        }
+      }
+    }
+    // Other dtypes go to ATen, with its type promotion: an integer tensor times 0.5 is float.
+    const sj::Variable ints(at::arange(6, at::kLong));
+    CHECK(bool((ints * 0.5).data().scalar_type() == at::kFloat));
+    CHECK(same_bits((ints * 0.5).data(), at::arange(6, at::kLong) * 0.5));
+    // And gradients through the scalar forms agree with libtorch (2nd order, float and double).
+    for (auto dtype : {at::kFloat, at::kDouble}) {
+      sj::Variable x(at::randn({33, 2}, dtype), true);
+      torch::Tensor tx = x.data().detach().clone().requires_grad_(true);
+      auto y = sj::mean(sj::sin(x * 0.5 - 0.25) / 3.0);
+      auto ty = (torch::sin(tx * 0.5 - 0.25) / 3.0).mean();
+      auto g = sj::grad({y}, {x}, {}, true)[0];
+      auto tg = torch::autograd::grad({ty}, {tx}, {}, true, true)[0];
+      auto gg = sj::grad({sj::sum(g * g)}, {x})[0];
+      auto tgg = torch::autograd::grad({(tg * tg).sum()}, {tx})[0];
+      const double tol = dtype == at::kFloat ? 1e-6 : 1e-14;
+      const double dg = oracle::max_diff(g.data(), tg), dgg = oracle::max_diff(gg.data(), tgg);
+      CHECK(dg >= 0);  // -1: the shapes or the NaN patterns differ
+      CHECK(dg <= tol);
+      CHECK(dgg >= 0);
+      CHECK(dgg <= tol);
+    }
+  }
+
   TEST_CASE("gradcheck and gradgradcheck agree with finite differences") {
     at::manual_seed(8);
     sj::Variable x(rnd({3, 2}), true), y(rnd({2, 2}), true), c(rnd({2}), true);
