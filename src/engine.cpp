@@ -89,6 +89,9 @@ struct GraphTask {
   bool keep_graph = true;
   bool single_threaded = false;
   bool cache_host_memory = false;
+  // Started inside a NoHostCacheScope (a compiled stage with cache_host_memory off): its
+  // functions run inside one too, on whichever thread.
+  bool no_host_cache = false;
   TraceHook* hook = nullptr;
   const ExecuteCallbacks* callbacks = nullptr;
   CallState* call_state = nullptr;
@@ -195,6 +198,7 @@ void gather(GraphTask& task, uint32_t idx) {
     if (const auto* c = std::get_if<ClosureFunction>(&node.fn->kind); c && c->impl)
       cache = c->impl->caches_host_memory();
   memory::HostCacheScope host_cache(cache);
+  memory::NoHostCacheScope no_host_cache(task.no_host_cache && !cache);
   std::size_t n = node.fn->num_inputs;
   for (auto& c : node.buffer) n = std::max<std::size_t>(n, c.slot + 1);
   node.inputs.assign(n, Variable());
@@ -258,6 +262,7 @@ variable_list call_function(const std::shared_ptr<GraphTask>& task_ptr, uint32_t
   const std::size_t n = fn.next_functions.size();
   ApplyingGuard applying(task_ptr, idx, fn);
   memory::HostCacheScope host_cache(task.cache_host_memory);
+  memory::NoHostCacheScope no_host_cache(task.no_host_cache);
   const ExecuteCallbacks* cbs = task.callbacks;
   if (cbs && !cbs->pre.empty()) {
     auto range = cbs->pre.equal_range(&fn);
@@ -618,6 +623,7 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
   // A graph task started inside an open HostCacheScope (compile()'s trace) keeps it on
   // whichever thread runs its functions.
   task.cache_host_memory = options.cache_host_memory || memory::HostCacheScope::active();
+  task.no_host_cache = !task.cache_host_memory && memory::NoHostCacheScope::active();
   task.hook = current_trace_hook();
   task.callbacks = callbacks.empty() ? nullptr : &callbacks;
   task.call_state = state;

@@ -306,6 +306,42 @@ TEST_SUITE("closure") {
     CHECK(failures == 0);
   }
 
+  // Note [Eager ops allocate from the host cache] (ops/op_table-inl.hpp): once compile()
+  // has installed the cache, a staged program's eager loss between compiled calls reuses
+  // blocks as its compiled stages do; libtorch's own ATen calls keep c10's allocator, and
+  // a stage compiled with cache_host_memory off stays out of the cache.
+  TEST_CASE("memory: stagejit's eager ops reuse large CPU blocks once the host cache is installed") {
+    REQUIRE(sj::memory::install_host_cache());
+    auto& cache = sj::memory::HostCachingAllocator::get();
+    const at::Tensor a = at::randn({128, 128}, at::kDouble);  // 128 KiB
+    auto eager_step = [&] {
+      sj::Variable v(a, true);
+      const sj::Variable y = sj::tanh(v * 0.5) * v - 1.0;
+      return sj::grad({sj::sum(y * y)}, {v})[0].data();
+    };
+    const at::Tensor t = a.clone().requires_grad_(true);
+    const at::Tensor ty = at::tanh(t * 0.5) * t - 1.0;
+    const at::Tensor want = torch::autograd::grad({(ty * ty).sum()}, {t})[0];
+    CHECK(max_abs_diff(eager_step(), want) <= 1e-12);
+    auto before = cache.stats();
+    for (int i = 0; i < 3; ++i) CHECK(max_abs_diff(eager_step(), want) <= 1e-12);
+    CHECK(cache.stats().hits > before.hits);
+    CHECK(cache.stats().misses == before.misses);
+    // ATen called directly, outside stagejit's ops, is not routed.
+    before = cache.stats();
+    for (int i = 0; i < 3; ++i) (void)(at::tanh(a * 0.5) * a);
+    CHECK(cache.stats().hits == before.hits);
+    CHECK(cache.stats().misses == before.misses);
+    // Inside a NoHostCacheScope (a stage compiled with the cache off runs in one), neither.
+    {
+      sj::memory::NoHostCacheScope off;
+      before = cache.stats();
+      for (int i = 0; i < 3; ++i) CHECK(max_abs_diff(eager_step(), want) <= 1e-12);
+      CHECK(cache.stats().hits == before.hits);
+      CHECK(cache.stats().misses == before.misses);
+    }
+  }
+
   // Note [Least recently used sizes] (core/memory/host_allocator.hpp): a full cache makes
   // room for the size in use by releasing the sizes used least recently; it used to
   // release the block just freed, so every later tensor of a new size was mapped again.

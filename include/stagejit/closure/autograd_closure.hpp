@@ -59,6 +59,7 @@
 #include <stagejit/closure/specialize.hpp>
 #include <stagejit/closure/stage_closure.hpp>
 #include <stagejit/core/error.hpp>
+#include <stagejit/core/memory/host_allocator.hpp>
 #include <stagejit/fusion/codegen.hpp>
 #include <stagejit/ir/graph.hpp>
 #include <stagejit/trace/trace.hpp>
@@ -477,6 +478,9 @@ class StageCall final : public ClosureImpl {
     options.keep_graph = true;
     options.single_threaded = !d.inter_op_parallel;
     options.cache_host_memory = d.cache_host_memory;
+    // Off: the stage's ops keep c10's allocator too (Note [Eager ops allocate from the host
+    // cache], ops/op_table-inl.hpp); the engine carries this to its other threads.
+    memory::NoHostCacheScope no_host_cache(!d.cache_host_memory);
     execute(sc.roots, leaves, options, sc.callbacks, &state);
     state.outputs.resize(sc.num_outputs);
     return true;

@@ -286,6 +286,7 @@ STAGEJIT_FUNC std::shared_ptr<const closure::MultiStageClosure> CompiledFunction
     // host cache (as the compiled stages' do), and the blocks they free serve the first
     // compiled call (bench/first_call.md).
     memory::HostCacheScope host_cache(state_->cache_host_memory);
+    memory::NoHostCacheScope no_host_cache(!state_->cache_host_memory);
     return trace(state_->fn, leaves, topts);
   };
   auto optimised = [&](Trace& tr, bool cross_stage) {

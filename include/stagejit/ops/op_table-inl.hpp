@@ -17,6 +17,7 @@
 #include <stagejit/autograd/variable.hpp>
 #include <stagejit/core/aten_error.hpp>
 #include <stagejit/core/error.hpp>
+#include <stagejit/core/memory/host_allocator.hpp>
 #include <stagejit/core/torch_compat.hpp>
 #include <stagejit/ops/op_def.hpp>
 #include <stagejit/ops/ops.hpp>
@@ -732,6 +733,15 @@ STAGEJIT_FUNC std::vector<at::Tensor> run_forward(const OpDef& op, const std::ve
                  " inputs, got ", n);
   try {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
+    // Note [Eager ops allocate from the host cache]: once compile() has installed the host
+    // cache (core/memory/host_allocator.hpp), the tensors of stagejit's own ops come from
+    // it too, not only those of compiled stages. A staged program's loss runs eagerly
+    // between compiled calls, on tensors the size of the batch: bench/higher_order's
+    // forces_silu in double (F of [2000, 12], 192 KB) spent a quarter of its eager ops'
+    // time zero-filling pages that glibc had just mapped or trimmed. Programs that never
+    // compile keep c10's allocator (the scope changes nothing before the install), and a
+    // stage compiled with `cache_host_memory` off runs in a NoHostCacheScope.
+    memory::HostCacheScope host_cache(!memory::NoHostCacheScope::active());
     return op.forward(inputs, attrs);
   } catch (const c10::Error& e) {
     rethrow_aten_error(e, detail::str_cat("op '", op.name, "': "));

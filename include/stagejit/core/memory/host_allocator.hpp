@@ -29,9 +29,12 @@
 /// Who allocates from it: `empty_cached` (always), and, once `install_host_cache()` has
 /// run (`compile()` does it unless `CompileOptions::cache_host_memory` is off), every CPU
 /// tensor that ATen allocates on a thread while a `HostCacheScope` is open there (fused
-/// kernel outputs included): the engine opens one around each function of a compiled
-/// stage. Code outside a scope (libtorch eager, the user's own ATen calls, stagejit eager)
-/// keeps the allocator that was installed before, unchanged.
+/// kernel outputs included). The engine opens one around each function of a compiled
+/// stage, and stagejit's ops open one around their ATen call (`ops::run_forward`, Note
+/// [Eager ops allocate from the host cache]), unless a `NoHostCacheScope` is open on the
+/// thread: a compiled stage with `cache_host_memory` off runs inside one. Code outside a
+/// scope (libtorch eager, the user's own ATen calls) keeps the allocator that was
+/// installed before, unchanged.
 /// Blocks are 64-byte aligned like c10's. Thread-safe. The allocator objects are never
 /// destroyed (tensors may outlive static destructors).
 
@@ -300,6 +303,34 @@ class HostCacheScope {
   HostCacheScope& operator=(const HostCacheScope&) = delete;
   /// True when a scope is open on this thread.
   static bool active() noexcept { return detail::host_cache_depth > 0; }
+
+ private:
+  bool enabled_;
+};
+
+namespace detail {
+/// Open `NoHostCacheScope`s on this thread.
+inline thread_local int no_host_cache_depth = 0;
+}  // namespace detail
+
+/// While alive, stagejit's ops on this thread do not open their own `HostCacheScope`
+/// (`ops::run_forward`): the functions of a compiled stage compiled with
+/// `CompileOptions::cache_host_memory` off run inside one (the engine carries it to the
+/// threads that run a graph task started inside one), so that option keeps its stage's
+/// tensors out of the cache. A `HostCacheScope` opened explicitly still routes. Scopes
+/// nest; `NoHostCacheScope(false)` is a no-op.
+class NoHostCacheScope {
+ public:
+  explicit NoHostCacheScope(bool enable = true) noexcept : enabled_(enable) {
+    if (enabled_) ++detail::no_host_cache_depth;
+  }
+  ~NoHostCacheScope() {
+    if (enabled_) --detail::no_host_cache_depth;
+  }
+  NoHostCacheScope(const NoHostCacheScope&) = delete;
+  NoHostCacheScope& operator=(const NoHostCacheScope&) = delete;
+  /// True when one is open on this thread.
+  static bool active() noexcept { return detail::no_host_cache_depth > 0; }
 
  private:
   bool enabled_;
