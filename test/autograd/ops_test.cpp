@@ -318,10 +318,10 @@ TEST_SUITE("autograd") {
 
   // Note [Scalar arithmetic without TensorIterator] (ops/op_table-inl.hpp): the scalar
   // forms of add, sub, rsub, mul and div skip ATen's TensorIterator on small float and
-  // double tensors. Their values must be ATen's bit for bit (one IEEE operation per
-  // element, NaN and inf included), with ATen's strides; every other layout, size and
-  // dtype goes to ATen itself.
-  TEST_CASE("scalar arithmetic equals ATen's bit for bit on every size and layout") {
+  // double tensors, and cat copies contiguous inputs itself. Their values must be ATen's
+  // bit for bit (one IEEE operation per element, NaN and inf included), with ATen's
+  // strides; every other layout, size and dtype goes to ATen itself.
+  TEST_CASE("scalar arithmetic and cat equal ATen's bit for bit on every size and layout") {
     at::manual_seed(11);
     auto same_bits = [](const at::Tensor& a, const at::Tensor& b) {
       if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
@@ -339,6 +339,8 @@ TEST_SUITE("autograd") {
             {"contiguous", base.reshape({n, 1})},
             {"one element expanded", base.narrow(0, n - 1, 1).reshape({1, 1}).expand({n, 3})},
             {"strided", base.reshape({1, n}).expand({2, n}).t()},
+            {"column of a matrix", at::stack({base, base * 2}, 1).narrow(1, 1, 1)},
+            {"every third element", at::stack({base, base * 2, base * 3}, 1).narrow(1, 2, 1).t()},
         };
         if (n % 4 == 0) inputs.emplace_back("transposed", base.reshape({4, n / 4}).t());
         for (const auto& [layout, x] : inputs) {
@@ -357,6 +359,33 @@ TEST_SUITE("autograd") {
           CHECK((v * 0.3).data().strides() == (x * 0.3).strides());
         }
       }
+    }
+    // cat copies contiguous inputs itself (narrow's backward pads a column through it):
+    // the same values and strides as at::cat, along every dim, with empty and wide parts.
+    for (auto dtype : {at::kFloat, at::kDouble}) {
+      const at::Tensor col = at::randn({1000, 1}, dtype), two = at::randn({1000, 2}, dtype);
+      const at::Tensor none = at::randn({1000, 0}, dtype), wide = at::randn({1000, 9}, dtype);
+      const at::Tensor cube = at::randn({3, 4, 5}, dtype);
+      const std::vector<std::pair<std::vector<at::Tensor>, int64_t>> cases{
+          {{at::zeros({1000, 1}, dtype), col}, 1},
+          {{col, at::zeros({1000, 1}, dtype)}, -1},
+          {{col, two, none, wide, col}, 1},
+          {{two, two}, 0},
+          {{cube, cube.narrow(1, 0, 2).contiguous()}, 1},
+          {{cube, cube}, 2},
+          {{cube}, 0},
+          {{two.t(), two.t()}, 1},  // not contiguous: ATen's own cat
+      };
+      for (const auto& [parts, dim] : cases) {
+        CAPTURE(dim);
+        sj::variable_list vs;
+        for (const auto& p : parts) vs.emplace_back(p);
+        const at::Tensor got = sj::cat(vs, dim).data(), want = at::cat(parts, dim);
+        CHECK(same_bits(got, want));
+        CHECK(got.strides() == want.strides());
+      }
+      // Mixed dtypes keep ATen's promotion.
+      CHECK(bool(sj::cat({sj::Variable(col), sj::Variable(col.to(at::kInt))}, 1).data().scalar_type() == dtype));
     }
     // Other dtypes go to ATen, with its type promotion: an integer tensor times 0.5 is float.
     const sj::Variable ints(at::arange(6, at::kLong));

@@ -24,6 +24,7 @@
 #include <stagejit/ops/small_gemm.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>  // at::AutoDispatchBelowADInplaceOrView
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
@@ -105,9 +106,10 @@ STAGEJIT_FUNC Tensors one(at::Tensor t) { return {std::move(t)}; }
 // between compiled calls (a loss's `0.01 * g`, a mean's backward dividing by N, the
 // backward of a scalar product) make dozens of these a step, on tensors of a few to a few
 // thousand elements (perf of bench/higher_order's maml, staged: 0.1 ms of a 1.5 ms step).
-// Taken only for float or double CPU tensors that are contiguous or one element broadcast
-// (an expand of a mean's gradient), with at most ATen's grain size of elements (below
-// which ATen also runs on one thread); the result is contiguous, as ATen's. Anything else
+// Taken only for float or double CPU tensors that are contiguous, one element broadcast
+// (an expand of a mean's gradient) or strided along dimension 0, their only one of more
+// than one element (a column of a matrix), with at most ATen's grain size of elements (below which
+// ATen also runs on one thread); the result is contiguous, as ATen's. Anything else
 // returns nullopt and goes to ATen.
 enum class ScalarArith { add, sub, rsub, mul, div };
 // ATen's at::internal::GRAIN_SIZE (ATen/TensorIterator.h), not included here.
@@ -158,9 +160,22 @@ STAGEJIT_FUNC std::optional<at::Tensor> scalar_arith(const at::Tensor& x, const 
     return std::nullopt;
   const int64_t n = x.numel();
   if (n == 0 || n > kScalarArithMaxNumel) return std::nullopt;
+  // Contiguous; one element broadcast; or only dimension 0 of more than one element, with
+  // any stride (a column of a matrix: narrow(du, 1, 0, 1)), whose result ATen makes
+  // contiguous.
+  // (ATen's strides for the size-1 dimensions of its result follow the input's order; for
+  // a line along dimension 0 they are the contiguous ones, so only that line is taken.)
   bool broadcast_one = true;
-  for (int64_t d = 0; d < x.dim(); ++d) broadcast_one = broadcast_one && (x.size(d) == 1 || x.stride(d) == 0);
-  if (!broadcast_one && !x.is_contiguous()) return std::nullopt;
+  int64_t spread = 0, step = 1, line_dim = -1;
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    if (x.size(d) == 1) continue;
+    broadcast_one = broadcast_one && x.stride(d) == 0;
+    ++spread;
+    step = x.stride(d);
+    line_dim = d;
+  }
+  const bool strided_line = !broadcast_one && spread == 1 && line_dim == 0 && step > 1;
+  if (!broadcast_one && !strided_line && !x.is_contiguous()) return std::nullopt;
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   auto run = [&](auto zero) {
     using T = decltype(zero);
@@ -171,8 +186,64 @@ STAGEJIT_FUNC std::optional<at::Tensor> scalar_arith(const at::Tensor& x, const 
       T v;
       scalar_arith_loop<T>(xp, sv, &v, 1, op);
       std::fill_n(op_, n, v);
+    } else if (strided_line) {
+      for (int64_t i = 0; i < n; ++i) scalar_arith_loop<T>(xp + i * step, sv, op_ + i, 1, op);
     } else {
       scalar_arith_loop<T>(xp, sv, op_, n, op);
+    }
+  };
+  if (dt == at::kFloat) run(float{});
+  else run(double{});
+  return out;
+}
+
+// cat of contiguous float or double CPU tensors of one dtype and rank, equal sizes but
+// along `dim`: each input's rows copied into place, an element at a time where a row is
+// short. Narrow's backward pads a gradient column with zeros through cat (pad_slice): a
+// PINN's u_t, u_x and u_xx are columns of a [N, 2] input gradient, and ATen's serial cat
+// copied a [10000, 1] and a zero column in about 0.1 ms, branching on every element (perf
+// of bench/higher_order's burgers, staged: 0.36 ms of a 22 ms step); this loop copies the
+// same values in place. Taken where ATen itself copies serially (at most its grain size of
+// elements, or one ATen thread); anything else returns nullopt and goes to at::cat.
+STAGEJIT_FUNC std::optional<at::Tensor> cat_contiguous(const Tensors& in, int64_t dim_attr) {
+  if (in.empty() || !in[0].defined()) return std::nullopt;
+  const at::Tensor& first = in[0];
+  const at::ScalarType dt = first.scalar_type();
+  const int64_t rank = first.dim();
+  if ((dt != at::kFloat && dt != at::kDouble) || rank == 0) return std::nullopt;
+  const int64_t dim = at::maybe_wrap_dim(dim_attr, rank);
+  int64_t along = 0;
+  for (const at::Tensor& t : in) {
+    if (!t.defined() || t.scalar_type() != dt || t.dim() != rank || !t.device().is_cpu() ||
+        t.layout() != at::kStrided || !t.is_contiguous())
+      return std::nullopt;
+    for (int64_t d = 0; d < rank; ++d)
+      if (d != dim && t.size(d) != first.size(d)) return std::nullopt;
+    along += t.size(dim);
+  }
+  std::vector<int64_t> sizes(first.sizes().begin(), first.sizes().end());
+  sizes[static_cast<std::size_t>(dim)] = along;
+  int64_t outer = 1, inner = 1;
+  for (int64_t d = 0; d < dim; ++d) outer *= sizes[static_cast<std::size_t>(d)];
+  for (int64_t d = dim + 1; d < rank; ++d) inner *= sizes[static_cast<std::size_t>(d)];
+  const int64_t numel = outer * along * inner;
+  if (numel > kScalarArithMaxNumel && at::get_num_threads() != 1) return std::nullopt;
+  at::Tensor out = at::empty(sizes, first.options().memory_format(at::MemoryFormat::Contiguous));
+  if (numel == 0) return out;
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    T* o = out.data_ptr<T>();
+    const int64_t row = along * inner;
+    int64_t offset = 0;
+    for (const at::Tensor& t : in) {
+      const int64_t w = t.size(dim) * inner;
+      const T* x = t.data_ptr<T>();
+      if (w == 1) {
+        for (int64_t r = 0; r < outer; ++r) o[r * row + offset] = x[r];
+      } else if (w > 0) {
+        for (int64_t r = 0; r < outer; ++r) std::memcpy(o + r * row + offset, x + r * w, sizeof(T) * std::size_t(w));
+      }
+      offset += w;
     }
   };
   if (dt == at::kFloat) run(float{});
@@ -582,7 +653,11 @@ STAGEJIT_FUNC std::array<OpDef, num_ops> build_table() {
          if (index < 0) index += sizes[dim];
          return {pad_slice(a, unsqueeze(G(a), dim), dim, index, 1)};
        });
-  def(OpId::cat, [](const Tensors& in, const Attributes& a) { return one(at::cat(in, attr_int(a, "dim", 0))); },
+  def(OpId::cat, [](const Tensors& in, const Attributes& a) {
+         const int64_t dim = attr_int(a, "dim", 0);
+         if (auto r = cat_contiguous(in, dim)) return one(std::move(*r));
+         return one(at::cat(in, dim));
+       },
        [](const BackwardArgs& a) -> variable_list {
          const Variable& g = G(a);
          int64_t dim = at::maybe_wrap_dim(attr_int(a.attrs, "dim", 0), g.dim());
