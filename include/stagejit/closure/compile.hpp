@@ -50,7 +50,11 @@ struct CompileOptions {
   /// gradients; 64 KiB or more) come from `memory::HostCachingAllocator`, which reuses
   /// freed blocks instead of returning them to the system, as PyTorch's CUDA caching
   /// allocator does. Installs the routing CPU allocator on first use (see
-  /// core/memory/host_allocator.hpp; code outside compiled stages is unaffected). Free blocks
+  /// core/memory/host_allocator.hpp). Once it is installed, stagejit's eager ops allocate
+  /// from the cache too (a staged program's loss between compiled calls: Note [Eager ops
+  /// allocate from the host cache], ops/op_table-inl.hpp); with this option off, the ops
+  /// of this function's stages do not. libtorch's and the user's own ATen calls are
+  /// unaffected. Free blocks
   /// are kept up to `$STAGEJIT_HOST_CACHE_MB` (default 1024 MiB);
   /// `memory::HostCachingAllocator::get().empty_cache()` releases them.
   bool cache_host_memory = true;
