@@ -283,35 +283,39 @@ inline at::Tensor empty_cached(at::IntArrayRef sizes, at::ScalarType dtype) {
 }
 
 namespace detail {
-/// Open `HostCacheScope`s on this thread.
-inline thread_local int host_cache_depth = 0;
+/// A scope counted per thread: while alive (and constructed with `true`), `active()` is
+/// true on this thread; scopes nest. `Tag` names the counter (one per scope class).
+template <class Tag>
+class ThreadScope {
+ public:
+  explicit ThreadScope(bool enable = true) noexcept : enabled_(enable) {
+    if (enabled_) ++depth();
+  }
+  ~ThreadScope() {
+    if (enabled_) --depth();
+  }
+  ThreadScope(const ThreadScope&) = delete;
+  ThreadScope& operator=(const ThreadScope&) = delete;
+  /// True when a scope of this kind is open on this thread.
+  static bool active() noexcept { return depth() > 0; }
+
+ private:
+  static int& depth() noexcept {
+    static thread_local int open = 0;  // constant-initialised: no guard on access
+    return open;
+  }
+  bool enabled_;
+};
 }  // namespace detail
 
 /// While alive, CPU tensors of at least `HostCachingAllocator::kMinCachedBytes` that ATen
 /// allocates on this thread come from `HostCachingAllocator` (once `install_host_cache()`
 /// has run; before, the scope changes nothing). Scopes nest; `HostCacheScope(false)` is a
 /// no-op, for conditional use. Tensors may be freed anywhere, inside a scope or not.
-class HostCacheScope {
+class HostCacheScope : public detail::ThreadScope<HostCacheScope> {
  public:
-  explicit HostCacheScope(bool enable = true) noexcept : enabled_(enable) {
-    if (enabled_) ++detail::host_cache_depth;
-  }
-  ~HostCacheScope() {
-    if (enabled_) --detail::host_cache_depth;
-  }
-  HostCacheScope(const HostCacheScope&) = delete;
-  HostCacheScope& operator=(const HostCacheScope&) = delete;
-  /// True when a scope is open on this thread.
-  static bool active() noexcept { return detail::host_cache_depth > 0; }
-
- private:
-  bool enabled_;
+  using ThreadScope::ThreadScope;
 };
-
-namespace detail {
-/// Open `NoHostCacheScope`s on this thread.
-inline thread_local int no_host_cache_depth = 0;
-}  // namespace detail
 
 /// While alive, stagejit's ops on this thread do not open their own `HostCacheScope`
 /// (`ops::run_forward`): the functions of a compiled stage compiled with
@@ -319,21 +323,9 @@ inline thread_local int no_host_cache_depth = 0;
 /// threads that run a graph task started inside one), so that option keeps its stage's
 /// tensors out of the cache. A `HostCacheScope` opened explicitly still routes. Scopes
 /// nest; `NoHostCacheScope(false)` is a no-op.
-class NoHostCacheScope {
+class NoHostCacheScope : public detail::ThreadScope<NoHostCacheScope> {
  public:
-  explicit NoHostCacheScope(bool enable = true) noexcept : enabled_(enable) {
-    if (enabled_) ++detail::no_host_cache_depth;
-  }
-  ~NoHostCacheScope() {
-    if (enabled_) --detail::no_host_cache_depth;
-  }
-  NoHostCacheScope(const NoHostCacheScope&) = delete;
-  NoHostCacheScope& operator=(const NoHostCacheScope&) = delete;
-  /// True when one is open on this thread.
-  static bool active() noexcept { return detail::no_host_cache_depth > 0; }
-
- private:
-  bool enabled_;
+  using ThreadScope::ThreadScope;
 };
 
 namespace detail {
