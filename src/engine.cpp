@@ -192,13 +192,16 @@ void deliver(GraphTask& task, uint64_t producer, const std::vector<Edge>& edges,
 // Sums a ready node's buffer into its inputs (Note [Deterministic fan-in]); stores captures.
 void gather(GraphTask& task, uint32_t idx) {
   Node& node = task.nodes[idx];
-  // Sums into a compiled stage's inputs use its host cache (ClosureImpl::caches_host_memory).
-  bool cache = task.cache_host_memory;
+  // Sums into a compiled stage's inputs follow its host cache setting
+  // (ClosureImpl::caches_host_memory): on, they use the cache; off, they stay out of it.
+  bool cache = task.cache_host_memory, refuse = task.no_host_cache;
   if (!cache && node.buffer.size() > 1)
-    if (const auto* c = std::get_if<ClosureFunction>(&node.fn->kind); c && c->impl)
+    if (const auto* c = std::get_if<ClosureFunction>(&node.fn->kind); c && c->impl) {
       cache = c->impl->caches_host_memory();
+      refuse = refuse || !cache;
+    }
   memory::HostCacheScope host_cache(cache);
-  memory::NoHostCacheScope no_host_cache(task.no_host_cache && !cache);
+  memory::NoHostCacheScope no_host_cache(refuse && !cache);
   std::size_t n = node.fn->num_inputs;
   for (auto& c : node.buffer) n = std::max<std::size_t>(n, c.slot + 1);
   node.inputs.assign(n, Variable());

@@ -323,11 +323,15 @@ TEST_SUITE("autograd") {
   // strides; every other layout, size and dtype goes to ATen itself.
   TEST_CASE("scalar arithmetic and cat equal ATen's bit for bit on every size and layout") {
     at::manual_seed(11);
+    // Bit patterns (so -0 differs from +0); NaNs equal when both are NaN (the payload of
+    // NaN op NaN depends on operand order, which ATen's vector kernels do not fix).
     auto same_bits = [](const at::Tensor& a, const at::Tensor& b) {
       if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
       const at::Tensor x = a.contiguous(), y = b.contiguous();
       const at::Tensor both_nan = x.isnan().logical_and(y.isnan());
-      return bool(x.eq(y).logical_or(both_nan).all().item<bool>());
+      if (!at::isFloatingType(x.scalar_type())) return bool(x.eq(y).all().item<bool>());
+      const at::ScalarType bits = x.element_size() == 4 ? at::kInt : at::kLong;
+      return bool(x.view(bits).eq(y.view(bits)).logical_or(both_nan).all().item<bool>());
     };
     for (auto dtype : {at::kFloat, at::kDouble}) {
       for (int64_t n : {1, 3, 7, 8, 9, 31, 257, 1000, 4097, 32768, 32769}) {
@@ -335,12 +339,17 @@ TEST_SUITE("autograd") {
         at::Tensor base = at::randn({n}, dtype) * 3;
         base[0] = std::numeric_limits<double>::quiet_NaN();
         if (n > 2) base[2] = std::numeric_limits<double>::infinity();
+        if (n > 3) base[3] = -0.0;
         std::vector<std::pair<std::string, at::Tensor>> inputs{
             {"contiguous", base.reshape({n, 1})},
             {"one element expanded", base.narrow(0, n - 1, 1).reshape({1, 1}).expand({n, 3})},
             {"strided", base.reshape({1, n}).expand({2, n}).t()},
             {"column of a matrix", at::stack({base, base * 2}, 1).narrow(1, 1, 1)},
             {"every third element", at::stack({base, base * 2, base * 3}, 1).narrow(1, 2, 1).t()},
+            // Size-1 dimensions at other strides: ATen's result follows their order.
+            {"column transposed", base.reshape({n, 1}).t()},
+            {"row transposed", base.reshape({1, n}).t()},
+            {"column, size-1 stride beyond the step", at::cat({base, base, base}).as_strided({n, 1}, {3, 3 * n}, 0)},
         };
         if (n % 4 == 0) inputs.emplace_back("transposed", base.reshape({4, n / 4}).t());
         for (const auto& [layout, x] : inputs) {
@@ -375,6 +384,10 @@ TEST_SUITE("autograd") {
           {{cube, cube}, 2},
           {{cube}, 0},
           {{two.t(), two.t()}, 1},  // not contiguous: ATen's own cat
+          // Contiguous but suggesting channels-last (one channel): ATen's result is
+          // channels-last, so ATen's own cat.
+          {{at::randn({2, 1, 3, 4}, dtype).contiguous(at::MemoryFormat::ChannelsLast),
+            at::randn({2, 1, 3, 4}, dtype).contiguous(at::MemoryFormat::ChannelsLast)}, 1},
       };
       for (const auto& [parts, dim] : cases) {
         CAPTURE(dim);

@@ -287,6 +287,24 @@ TEST_SUITE("closure") {
     CHECK(check(step(off)));
     CHECK(cache.stats().hits == before.hits);
     CHECK(cache.stats().misses == before.misses);
+    {
+      // A stage compiled with the cache off runs in a NoHostCacheScope, also when called
+      // inside an open scope (another function's cached stage): the innermost one wins.
+      REQUIRE(sj::memory::install_host_cache());
+      sj::memory::HostCacheScope outer;
+      CHECK(check(step(off)));
+      CHECK(sj::memory::HostCacheScope::active());
+      {
+        sj::memory::NoHostCacheScope inner;
+        CHECK_FALSE(sj::memory::HostCacheScope::active());
+        {
+          sj::memory::HostCacheScope again;
+          CHECK(sj::memory::HostCacheScope::active());
+        }
+        CHECK_FALSE(sj::memory::HostCacheScope::active());
+      }
+      CHECK(sj::memory::HostCacheScope::active());
+    }
 
     auto on = sj::compile(body);
     CHECK(check(step(on)));  // compiles, fills the cache

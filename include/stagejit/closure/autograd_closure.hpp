@@ -393,6 +393,10 @@ class StageCall final : public ClosureImpl {
   bool run_stage(std::size_t s, const variable_list& inputs, CallState& state, const std::vector<char>* needed,
                  bool captures) const {
     const auto& d = *desc_;
+    // Off: nothing the stage allocates goes to the cache, its ops included, also inside a
+    // HostCacheScope opened around the call (Note [Eager ops allocate from the host cache],
+    // ops/op_table-inl.hpp); the engine carries this to its other threads.
+    memory::NoHostCacheScope no_host_cache(!d.cache_host_memory);
     const bool joint = d.joint_stage != 0 && s == d.joint_stage;
     const auto& stage_inputs = d.plan.stage_inputs(s);
     STAGEJIT_CHECK(inputs.size() == stage_inputs.size(), "compiled stage ", s, " expects ",
@@ -478,9 +482,6 @@ class StageCall final : public ClosureImpl {
     options.keep_graph = true;
     options.single_threaded = !d.inter_op_parallel;
     options.cache_host_memory = d.cache_host_memory;
-    // Off: the stage's ops keep c10's allocator too (Note [Eager ops allocate from the host
-    // cache], ops/op_table-inl.hpp); the engine carries this to its other threads.
-    memory::NoHostCacheScope no_host_cache(!d.cache_host_memory);
     execute(sc.roots, leaves, options, sc.callbacks, &state);
     state.outputs.resize(sc.num_outputs);
     return true;

@@ -100,19 +100,22 @@ STAGEJIT_FUNC Tensors one(at::Tensor t) { return {std::move(t)}; }
 // `x op s` for a scalar s (add and sub with alpha 1, rsub with alpha 1, mul, div), computed
 // as ATen computes it on the CPU: s cast to x's dtype, then one IEEE operation per element
 // (libtorch 1.13's add/sub/mul/div_true kernels; add with alpha 1 is a + b, and fmadd(b, 1,
-// a) rounds the same). ATen wraps s in a 0-dim double tensor, casts it to x's dtype and
-// builds a TensorIterator. Measured (one thread, float): a [1000, 1] times 0.5 takes
-// 3.6 us in at::mul and 1.0 us here; a [10000, 1], 3.8-4.2 us and 2.2-2.6 us. The eager ops
+// a) rounds the same). ATen wraps s in a 0-dim tensor (double, or int64 for an integer),
+// casts it to x's dtype and builds a TensorIterator. Measured (one thread, float): a
+// [1000, 1] times 0.5 takes 3.6 us in at::mul and 1.0 us here; a [10000, 1], 3.8-4.2 us
+// and 2.2-2.6 us. The eager ops
 // between compiled calls (a loss's `0.01 * g`, a mean's backward dividing by N, the
 // backward of a scalar product) make dozens of these a step, on tensors of a few to a few
 // thousand elements (perf of bench/higher_order's maml, staged: 0.1 ms of a 1.5 ms step).
-// Taken only for float or double CPU tensors that are contiguous, one element broadcast
-// (an expand of a mean's gradient) or strided along dimension 0, their only one of more
-// than one element (a column of a matrix), with at most ATen's grain size of elements (below which
-// ATen also runs on one thread); the result is contiguous, as ATen's. Anything else
-// returns nullopt and goes to ATen.
+// Taken only for float or double CPU tensors (plain values: no lazy negation, ZeroTensor
+// or names) that are dense, one element broadcast (an expand of a mean's gradient) or
+// strided along dimension 0, their only one of more than one element (a column of a
+// matrix), with their size-1 dimensions where ATen's result is contiguous too (see
+// scalar_arith), and at most 32 768 elements (ATen's grain size, about where it starts to
+// split work between threads); not under -ffast-math. Anything else returns nullopt and
+// goes to ATen.
 enum class ScalarArith { add, sub, rsub, mul, div };
-// ATen's at::internal::GRAIN_SIZE (ATen/TensorIterator.h), not included here.
+// ATen's at::internal::GRAIN_SIZE (32 768 in libtorch 1.13 and 2.x).
 inline constexpr int64_t kScalarArithMaxNumel = 32768;
 
 // 16-byte lanes (GCC and Clang vector extensions): the loops below are vectorised at -O2,
@@ -150,32 +153,51 @@ inline void scalar_arith_loop(const T* x, T s, T* out, int64_t n, ScalarArith op
   }
 }
 
+// True when `t` is a plain tensor whose memory `data_ptr` reads as its values: storage,
+// no ZeroTensor, no lazy negation or conjugation, no names (as small_mm checks).
+STAGEJIT_FUNC bool plain_cpu_values(const at::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && t.has_storage() &&
+         !t._is_zerotensor() && !t.is_neg() && !t.is_conj() && !t.has_names();
+}
+
 STAGEJIT_FUNC std::optional<at::Tensor> scalar_arith(const at::Tensor& x, const at::Scalar& s, ScalarArith op,
                                                      const at::Scalar& alpha = at::Scalar(1.0)) {
+#ifdef __FAST_MATH__
+  // -ffast-math may turn v / s into v * (1 / s): no longer ATen's values.
+  return std::nullopt;
+#endif
   const at::ScalarType dt = x.scalar_type();
-  if ((dt != at::kFloat && dt != at::kDouble) || !x.device().is_cpu() || x.layout() != at::kStrided) return std::nullopt;
+  if ((dt != at::kFloat && dt != at::kDouble) || !plain_cpu_values(x)) return std::nullopt;
   // An integer beyond 2^53 would round twice through double; ATen casts it once.
-  if (!(s.isFloatingPoint() || (s.isIntegral(false) && std::abs(s.toLong()) <= (int64_t{1} << 53))) ||
+  constexpr int64_t kExact = int64_t{1} << 53;
+  if (!(s.isFloatingPoint() || (s.isIntegral(false) && s.toLong() >= -kExact && s.toLong() <= kExact)) ||
       !(alpha.isFloatingPoint() || alpha.isIntegral(false)) || alpha.toDouble() != 1.0)
     return std::nullopt;
   const int64_t n = x.numel();
   if (n == 0 || n > kScalarArithMaxNumel) return std::nullopt;
-  // Contiguous; one element broadcast; or only dimension 0 of more than one element, with
-  // any stride (a column of a matrix: narrow(du, 1, 0, 1)), whose result ATen makes
-  // contiguous.
-  // (ATen's strides for the size-1 dimensions of its result follow the input's order; for
-  // a line along dimension 0 they are the contiguous ones, so only that line is taken.)
-  bool broadcast_one = true;
-  int64_t spread = 0, step = 1, line_dim = -1;
-  for (int64_t d = 0; d < x.dim(); ++d) {
-    if (x.size(d) == 1) continue;
-    broadcast_one = broadcast_one && x.stride(d) == 0;
-    ++spread;
-    step = x.stride(d);
-    line_dim = d;
+  // Taken: dense (every dimension of more than one element at its contiguous stride); one
+  // element broadcast (all of them at stride 0); or dimension 0 alone of more than one
+  // element, at any stride (a column of a matrix: narrow(du, 1, 0, 1)). Every dimension of
+  // size 1 must sit at stride 0 or at its contiguous stride: ATen orders its result's
+  // dimensions by the input's strides, size-1 ones included (TensorIterator's
+  // reorder_dimensions), and only then is its result contiguous, as this one is.
+  bool ones_in_place = true, dense = true, broadcast_one = true;
+  int64_t spread = 0, step = 1, line_dim = -1, expect = 1;
+  for (int64_t d = x.dim() - 1; d >= 0; --d) {
+    const int64_t size = x.size(d), stride = x.stride(d);
+    if (size == 1) {
+      ones_in_place = ones_in_place && (stride == 0 || stride == expect);
+    } else {
+      dense = dense && stride == expect;
+      broadcast_one = broadcast_one && stride == 0;
+      ++spread;
+      step = stride;
+      line_dim = d;
+    }
+    expect *= size;
   }
   const bool strided_line = !broadcast_one && spread == 1 && line_dim == 0 && step > 1;
-  if (!broadcast_one && !strided_line && !x.is_contiguous()) return std::nullopt;
+  if (!ones_in_place || (!dense && !broadcast_one && !strided_line)) return std::nullopt;
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   auto run = [&](auto zero) {
     using T = decltype(zero);
@@ -204,7 +226,9 @@ STAGEJIT_FUNC std::optional<at::Tensor> scalar_arith(const at::Tensor& x, const 
 // copied a [10000, 1] and a zero column in about 0.1 ms, branching on every element (perf
 // of bench/higher_order's burgers, staged: 0.36 ms of a 22 ms step); this loop copies the
 // same values in place. Taken where ATen itself copies serially (at most its grain size of
-// elements, or one ATen thread); anything else returns nullopt and goes to at::cat.
+// elements, or one ATen thread), for plain values (see plain_cpu_values) and where ATen's
+// result is contiguous too (no input suggesting channels-last); anything else returns
+// nullopt and goes to at::cat.
 STAGEJIT_FUNC std::optional<at::Tensor> cat_contiguous(const Tensors& in, int64_t dim_attr) {
   if (in.empty() || !in[0].defined()) return std::nullopt;
   const at::Tensor& first = in[0];
@@ -214,9 +238,11 @@ STAGEJIT_FUNC std::optional<at::Tensor> cat_contiguous(const Tensors& in, int64_
   const int64_t dim = at::maybe_wrap_dim(dim_attr, rank);
   int64_t along = 0;
   for (const at::Tensor& t : in) {
-    if (!t.defined() || t.scalar_type() != dt || t.dim() != rank || !t.device().is_cpu() ||
-        t.layout() != at::kStrided || !t.is_contiguous())
+    if (!plain_cpu_values(t) || t.scalar_type() != dt || t.dim() != rank || !t.is_contiguous())
       return std::nullopt;
+    // ATen's cat makes a channels-last result when every input suggests one; a 4-D or 5-D
+    // tensor can be contiguous and suggest it (a size-1 channel dimension).
+    if (rank >= 4 && t.suggest_memory_format() != at::MemoryFormat::Contiguous) return std::nullopt;
     for (int64_t d = 0; d < rank; ++d)
       if (d != dim && t.size(d) != first.size(d)) return std::nullopt;
     along += t.size(dim);

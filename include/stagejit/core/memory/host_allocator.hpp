@@ -298,12 +298,13 @@ class ThreadScope {
   ThreadScope& operator=(const ThreadScope&) = delete;
   /// True when a scope of this kind is open on this thread.
   static bool active() noexcept { return depth() > 0; }
-
- private:
+  /// The number open on this thread.
   static int& depth() noexcept {
     static thread_local int open = 0;  // constant-initialised: no guard on access
     return open;
   }
+
+ private:
   bool enabled_;
 };
 }  // namespace detail
@@ -317,15 +318,28 @@ class HostCacheScope : public detail::ThreadScope<HostCacheScope> {
   using ThreadScope::ThreadScope;
 };
 
-/// While alive, stagejit's ops on this thread do not open their own `HostCacheScope`
-/// (`ops::run_forward`): the functions of a compiled stage compiled with
-/// `CompileOptions::cache_host_memory` off run inside one (the engine carries it to the
-/// threads that run a graph task started inside one), so that option keeps its stage's
-/// tensors out of the cache. A `HostCacheScope` opened explicitly still routes. Scopes
-/// nest; `NoHostCacheScope(false)` is a no-op.
+/// While alive, no CPU allocation on this thread goes to the cache: the `HostCacheScope`s
+/// open around it are set aside until it closes (the innermost scope wins), and
+/// stagejit's ops do not open their own (`ops::run_forward`). The functions of a stage
+/// compiled with `CompileOptions::cache_host_memory` off run inside one, also when that
+/// stage runs inside another function's cached stage; the engine carries it to the
+/// threads that run a graph task started inside one. A `HostCacheScope` opened inside it
+/// routes again until it closes. Scopes nest; `NoHostCacheScope(false)` is a no-op.
 class NoHostCacheScope : public detail::ThreadScope<NoHostCacheScope> {
  public:
-  using ThreadScope::ThreadScope;
+  explicit NoHostCacheScope(bool enable = true) noexcept : ThreadScope(enable), enabled_(enable) {
+    if (!enabled_) return;
+    int& open = detail::ThreadScope<HostCacheScope>::depth();
+    set_aside_ = open;
+    open = 0;
+  }
+  ~NoHostCacheScope() {
+    if (enabled_) detail::ThreadScope<HostCacheScope>::depth() = set_aside_;
+  }
+
+ private:
+  bool enabled_;
+  int set_aside_ = 0;
 };
 
 namespace detail {
