@@ -309,7 +309,7 @@ TEST_SUITE("ir") {
       %g : Float(3),
       -------- stage 2 --------
       %gg : Float(3)) {
-  %h : Float(3) = sigmoid(%x);
+  %h : Float(3) = tanh(%x);
   %q : Float(3) = mul(%h, %x);
   ---------------- stage 1 ----------------
   %a : Float(3) = mul(%g, %q);
@@ -319,20 +319,21 @@ TEST_SUITE("ir") {
   %v : Float(3) = mul(%w, %h);
   return (%q | %z | %v);
 })");
-    // Stage 1 reads %q and %x: it recomputes h = sigmoid(x), then q. Stage 2 reads %q
+    // Stage 1 reads %q and %x: it recomputes h = tanh(x), then q. Stage 2 reads %q
     // and %h, but not x: it keeps reading %q. Stage 0 still returns %q.
     CHECK(passes::rematerialize_cross_stage(*three, 1) == 1);
     ir::lint(*three);
     const std::string text = ir::to_string(*three);
     CHECK(text.find("  ---------------- stage 1 ----------------\n"
-                    "  %0 : Float(3) = sigmoid(%x);\n"
+                    "  %0 : Float(3) = tanh(%x);\n"
                     "  %1 : Float(3) = mul(%0, %x);\n"
                     "  %a : Float(3) = mul(%g, %1);\n") != std::string::npos);
     CHECK(text.find("%w : Float(3) = mul(%gg, %q);") != std::string::npos);
     CHECK(text.find("return (%q | %z | %v);") != std::string::npos);
-    // A value whose op holds a logarithm, erf or expm1 (softplus, log, erf, gelu, elu)
-    // costs more to recompute than to read back: it stays saved, while the tanh beside it
-    // is recomputed from %x, which stage 1 reads anyway.
+    // A value whose op holds a logarithm, erf or expm1 (softplus, log, erf, gelu, elu),
+    // or whose derivatives are written in its input (sigmoid, silu, sin, cos), costs more
+    // to recompute than to read back: it stays saved, while the tanh and exp beside it are
+    // recomputed from %x, which stage 1 reads anyway.
     const std::string costly_in = R"(graph(%x : Float(2),
       -------- stage 1 --------
       %g : Float(2)) {
@@ -340,22 +341,37 @@ TEST_SUITE("ir") {
   %l : Float(2) = log(%x);
   %u : Float(2) = elu(%x);
   %h : Float(2) = tanh(%x);
+  %q : Float(2) = sigmoid(%x);
+  %w : Float(2) = silu(%x);
+  %n : Float(2) = sin(%x);
+  %k : Float(2) = cos(%x);
+  %p : Float(2) = exp(%x);
   ---------------- stage 1 ----------------
   %a : Float(2) = mul(%g, %s);
   %b : Float(2) = mul(%a, %l);
   %c : Float(2) = mul(%b, %u);
   %d : Float(2) = mul(%c, %h);
   %e : Float(2) = mul(%d, %x);
-  return (%s | %e);
+  %f : Float(2) = mul(%e, %q);
+  %i : Float(2) = mul(%f, %w);
+  %j : Float(2) = mul(%i, %n);
+  %m : Float(2) = mul(%j, %k);
+  %o : Float(2) = mul(%m, %p);
+  return (%s | %o);
 })";
     auto costly = ir::parse(costly_in);
-    CHECK(passes::rematerialize_cross_stage(*costly, 1) == 1);
+    CHECK(passes::rematerialize_cross_stage(*costly, 1) == 2);
     ir::lint(*costly);
     const std::string costly_text = ir::to_string(*costly);
     CHECK(costly_text.find("  ---------------- stage 1 ----------------\n"
-                           "  %0 : Float(2) = tanh(%x);\n") != std::string::npos);
+                           "  %0 : Float(2) = tanh(%x);\n"
+                           "  %1 : Float(2) = exp(%x);\n") != std::string::npos);
     CHECK(costly_text.find("%a : Float(2) = mul(%g, %s);") != std::string::npos);
     CHECK(costly_text.find("%b : Float(2) = mul(%a, %l);") != std::string::npos);
+    for (const char* kept : {"%f : Float(2) = mul(%e, %q);", "%i : Float(2) = mul(%f, %w);",
+                             "%j : Float(2) = mul(%i, %n);", "%m : Float(2) = mul(%j, %k);",
+                             "%o : Float(2) = mul(%m, %1);"})
+      CHECK_MESSAGE(costly_text.find(kept) != std::string::npos, kept, "\n", costly_text);
     CHECK(costly_text.find("%c : Float(2) = mul(%b, %u);") != std::string::npos);
   }
 }

@@ -19,12 +19,24 @@ namespace stagejit::passes {
 
 namespace detail {
 
-// Elementwise ops whose recomputation costs more than reading the saved value back: a
-// logarithm, erf or expm1 inside (SLEEF's u10 log1p, erf and expm1 run several times
-// the cost of its exp). Where such a copy lands outside a kernel it runs op by op
-// through ATen: softplus, recomputed in the force field's stage variants, took its
-// staged step from 1.48x to 1.28x libtorch (bench/higher_order.md, "Regions from 256
-// rows"). exp, tanh (the prelude's), sigmoid and silu stay cheap.
+// Elementwise ops whose recomputation costs more than reading the saved value back:
+// - a logarithm, erf or expm1 inside (SLEEF's u10 log1p, erf and expm1 run several times
+//   the cost of its exp). Where such a copy lands outside a kernel it runs op by op
+//   through ATen: softplus, recomputed in the force field's stage variants, took its
+//   staged step from 1.48x to 1.28x libtorch (bench/higher_order.md, "Regions from 256
+//   rows").
+// - sigmoid, silu, sin and cos. Their derivatives are written in their input (silu's
+//   `s (1 + z (1 - s))` with `s = sigmoid(z)`, sin's `cos(z)`), so each later stage that
+//   recomputed them paid a SLEEF exp or sin per element again, several values deep: the
+//   joint backward of a SiLU PINN recomputed ten values of each layer, two sigmoids
+//   among them, that stages 1 and 2 had already made. Kept saved, the staged step of
+//   user-style PINN residuals (4 layers, 4 000 points, widths 20 and 64, float and
+//   double) trailed its whole loss by 8-18 % with SiLU (20-29 % before) and 6-11 % with
+//   sin (12-16 %); sigmoid and tanh alike (bench/higher_order.md, "Session of 2026-12-07,
+//   10:40").
+// exp and tanh (the prelude's) stay cheap: tanh's and sigmoid's derivatives are written
+// in their outputs, and recomputing `1 - h * h` or `h (1 - h)` from a saved h is what
+// makes the Burgers PINN's stages lighter.
 inline bool costly_to_recompute(OpId id) {
   switch (id) {
     case OpId::softplus:
@@ -32,6 +44,10 @@ inline bool costly_to_recompute(OpId id) {
     case OpId::erf:
     case OpId::gelu:
     case OpId::elu:
+    case OpId::sigmoid:
+    case OpId::silu:
+    case OpId::sin:
+    case OpId::cos:
       return true;
     default:
       return false;
