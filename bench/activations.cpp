@@ -6,8 +6,9 @@
 // The network u(t, x) = MLP(X), X [N, 2], `depth` hidden layers of `width` units with
 // the activation under test, weights scaled by 1/sqrt(fan-in), biases 0.1 N(0, 1). The
 // loss: r = u_t + u u_x - 0.01 u_xx, L = mean(r^2) + 0.5 mean(u^2); its gradients in the
-// weights are third derivatives of the network. Four forms, each run once per round,
-// interleaved in one process (one ATen thread, one stagejit engine thread):
+// weights are third derivatives of the network. Four forms, each run once per round in
+// an order rotated every round, in one process (one ATen thread, one stagejit engine
+// thread):
 //
 //   libtorch         the step on libtorch's autograd (torch::autograd::grad)
 //   staged           the network compiled with 3 derivatives; the user's grad calls and
@@ -158,12 +159,16 @@ Result run(const std::string& act, int64_t width, int64_t depth, int64_t n, at::
     libtorch_step();
     for (auto& f : forms) f();
   }
-  for (int k = 0; k < rounds; ++k) {
-    t[0].push_back(timed([&] { libtorch_step(); }));
-    t[1].push_back(timed([&] { forms[0](); }));
-    t[2].push_back(timed([&] { forms[1](); }));
-    t[3].push_back(timed([&] { forms[2](); }));
-  }
+  // Each round runs the four forms in an order rotated by one from the round before, so
+  // that none always follows the same one (the step before leaves the caches and the
+  // allocator in its own state) and drifts of the machine shift every form alike.
+  const std::function<void()> steps[4] = {[&] { libtorch_step(); }, [&] { forms[0](); }, [&] { forms[1](); },
+                                          [&] { forms[2](); }};
+  for (int k = 0; k < rounds; ++k)
+    for (int j = 0; j < 4; ++j) {
+      const int m = (k + j) % 4;
+      t[m].push_back(timed(steps[m]));
+    }
   auto median = [](std::vector<double>& v) {
     std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
     return v[v.size() / 2];
