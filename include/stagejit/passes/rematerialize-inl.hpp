@@ -25,18 +25,18 @@ namespace detail {
 //   through ATen: softplus, recomputed in the force field's stage variants, took its
 //   staged step from 1.48x to 1.28x libtorch (bench/higher_order.md, "Regions from 256
 //   rows").
-// - sigmoid, silu, sin and cos. Their derivatives are written in their input (silu's
+// - silu, sin and cos, and the sigmoid(z) that silu's backward builds from silu's input
+//   z (`rematerializable` below). Their derivatives are written in their input (silu's
 //   `s (1 + z (1 - s))` with `s = sigmoid(z)`, sin's `cos(z)`), so each later stage that
-//   recomputed them paid a SLEEF exp or sin per element again, several values deep: the
-//   joint backward of a SiLU PINN recomputed ten values of each layer, two sigmoids
-//   among them, that stages 1 and 2 had already made. Kept saved, the staged step of
-//   user-style PINN residuals (4 layers, 4 000 points, widths 20 and 64, float and
-//   double) trailed its whole loss by 8-18 % with SiLU (20-29 % before) and 6-11 % with
-//   sin (12-16 %); sigmoid and tanh alike (bench/higher_order.md, "Session of 2026-12-07,
-//   10:40").
-// exp and tanh (the prelude's) stay cheap: tanh's and sigmoid's derivatives are written
-// in their outputs, and recomputing `1 - h * h` or `h (1 - h)` from a saved h is what
-// makes the Burgers PINN's stages lighter.
+//   recomputed them paid a SLEEF exp or sin per element again, in row tiles where that
+//   exp is the cost: the joint backward of a SiLU PINN recomputed ten values of each
+//   layer, two sigmoids among them, that stages 1 and 2 had already made
+//   (bench/higher_order.md, "Session of 2026-12-07, 10:40").
+// A sigmoid of anything else, exp and tanh stay cheap: their derivatives are written in
+// their outputs (`h (1 - h)`, `1 - h * h`), so a later stage recomputes them at most once,
+// and where that happens in a memory-bound kernel it is free: bench/fusion's
+// `tanh(a*b + c) * sigmoid(a)` backward recomputes sigmoid(a) from a, and keeping it
+// saved instead took its fused forward + backward from 44 to 57 ms.
 inline bool costly_to_recompute(OpId id) {
   switch (id) {
     case OpId::softplus:
@@ -44,7 +44,6 @@ inline bool costly_to_recompute(OpId id) {
     case OpId::erf:
     case OpId::gelu:
     case OpId::elu:
-    case OpId::sigmoid:
     case OpId::silu:
     case OpId::sin:
     case OpId::cos:
@@ -58,6 +57,10 @@ inline bool rematerializable(const ir::Node& n, int64_t min_elements) {
   const auto* op = n.get_if<ir::Op>();
   if (!op || n.outputs().size() != 1 || n.has_side_effects() || !op->schema().elementwise) return false;
   if (costly_to_recompute(op->id())) return false;
+  // The sigmoid(z) that silu's backward builds from silu's input z (Note above).
+  if (op->id() == OpId::sigmoid && n.inputs().size() == 1)
+    for (const ir::Use& u : n.inputs()[0]->uses())
+      if (const auto* user = u.user->get_if<ir::Op>(); user && user->id() == OpId::silu) return false;
   const ir::TensorType* t = n.output(0)->tensor_type();
   if (n.output(0)->is_handle() || !t) return false;
   int64_t numel = 1;
