@@ -15,8 +15,7 @@
 /// recomputation costs more than the read it saves), not silu, sin or cos, and not the
 /// sigmoid of a silu's input (their derivatives are written in their input: every later
 /// stage would pay a SLEEF exp or sin per element again; passes/rematerialize-inl.hpp);
-/// without side effects (nothing
-/// random or in place), with one output of at least
+/// without side effects (nothing random or in place), with one output of at least
 /// `min_elements` elements, no Handle input or output; and each of its inputs is
 /// - a value stage t reads anyway (an earlier value or graph input with a stage-t use),
 ///   or one recomputed in stage t before,
