@@ -331,22 +331,29 @@ TEST_SUITE("ir") {
     CHECK(text.find("%w : Float(3) = mul(%gg, %q);") != std::string::npos);
     CHECK(text.find("return (%q | %z | %v);") != std::string::npos);
     // A value whose op holds a logarithm, erf or expm1 (softplus, log, erf, gelu, elu),
-    // or whose derivatives are written in its input (silu, sin, cos, and %q, the sigmoid
-    // of silu's input x that silu's backward builds), costs more to recompute than to read
-    // back: it stays saved, while the tanh and exp beside it are recomputed from %x, which
-    // stage 1 reads anyway. (The sigmoid of anything else is cheap: the test above.)
+    // or whose derivatives are written in its input (silu, sin, cos), costs more to
+    // recompute than to read back, and so does an exp, sigmoid or tanh of such an op's
+    // input, up to two elementwise steps away (what those backwards build from it: elu's
+    // exp(x) %p, silu's and softplus's sigmoid(x) %q, gelu's exp(-x*x/2) %r): they stay
+    // saved. The tanh and exp of %y, which feeds nothing costly, are recomputed from %y,
+    // which stage 1 reads anyway. (A sigmoid of anything else is cheap: the test above.)
     const std::string costly_in = R"(graph(%x : Float(2),
+      %y : Float(2),
       -------- stage 1 --------
       %g : Float(2)) {
   %s : Float(2) = softplus[beta=1.0, threshold=20.0](%x);
   %l : Float(2) = log(%x);
   %u : Float(2) = elu(%x);
-  %h : Float(2) = tanh(%x);
+  %h : Float(2) = tanh(%y);
   %q : Float(2) = sigmoid(%x);
   %w : Float(2) = silu(%x);
   %n : Float(2) = sin(%x);
   %k : Float(2) = cos(%x);
   %p : Float(2) = exp(%x);
+  %v : Float(2) = mul(%x, %x);
+  %z : Float(2) = mul[other=-0.5](%v);
+  %r : Float(2) = exp(%z);
+  %t : Float(2) = exp(%y);
   ---------------- stage 1 ----------------
   %a : Float(2) = mul(%g, %s);
   %b : Float(2) = mul(%a, %l);
@@ -358,20 +365,25 @@ TEST_SUITE("ir") {
   %j : Float(2) = mul(%i, %n);
   %m : Float(2) = mul(%j, %k);
   %o : Float(2) = mul(%m, %p);
-  return (%s | %o);
+  %o2 : Float(2) = mul(%o, %r);
+  %o3 : Float(2) = mul(%o2, %t);
+  %o4 : Float(2) = mul(%o3, %y);
+  return (%s | %o4);
 })";
     auto costly = ir::parse(costly_in);
     CHECK(passes::rematerialize_cross_stage(*costly, 1) == 2);
     ir::lint(*costly);
     const std::string costly_text = ir::to_string(*costly);
-    CHECK(costly_text.find("  ---------------- stage 1 ----------------\n"
-                           "  %0 : Float(2) = tanh(%x);\n"
-                           "  %1 : Float(2) = exp(%x);\n") != std::string::npos);
+    CHECK_MESSAGE(costly_text.find("  ---------------- stage 1 ----------------\n"
+                                   "  %0 : Float(2) = tanh(%y);\n"
+                                   "  %1 : Float(2) = exp(%y);\n") != std::string::npos,
+                  costly_text);
     CHECK(costly_text.find("%a : Float(2) = mul(%g, %s);") != std::string::npos);
     CHECK(costly_text.find("%b : Float(2) = mul(%a, %l);") != std::string::npos);
-    for (const char* kept : {"%f : Float(2) = mul(%e, %q);", "%i : Float(2) = mul(%f, %w);",
-                             "%j : Float(2) = mul(%i, %n);", "%m : Float(2) = mul(%j, %k);",
-                             "%o : Float(2) = mul(%m, %1);"})
+    for (const char* kept : {"%d : Float(2) = mul(%c, %0);", "%f : Float(2) = mul(%e, %q);",
+                             "%i : Float(2) = mul(%f, %w);", "%j : Float(2) = mul(%i, %n);",
+                             "%m : Float(2) = mul(%j, %k);", "%o : Float(2) = mul(%m, %p);",
+                             "%o2 : Float(2) = mul(%o, %r);", "%o3 : Float(2) = mul(%o2, %1);"})
       CHECK_MESSAGE(costly_text.find(kept) != std::string::npos, kept, "\n", costly_text);
     CHECK(costly_text.find("%c : Float(2) = mul(%b, %u);") != std::string::npos);
   }

@@ -25,18 +25,22 @@ namespace detail {
 //   through ATen: softplus, recomputed in the force field's stage variants, took its
 //   staged step from 1.48x to 1.28x libtorch (bench/higher_order.md, "Regions from 256
 //   rows").
-// - silu, sin and cos, and the sigmoid(z) that silu's backward builds from silu's input
-//   z (`rematerializable` below). Their derivatives are written in their input (silu's
-//   `s (1 + z (1 - s))` with `s = sigmoid(z)`, sin's `cos(z)`), so each later stage that
-//   recomputed them paid a SLEEF exp or sin per element again, in row tiles where that
-//   exp is the cost: the joint backward of a SiLU PINN recomputed ten values of each
-//   layer, two sigmoids among them, that stages 1 and 2 had already made
-//   (bench/higher_order.md, "Session of 2026-12-07, 10:40").
-// A sigmoid of anything else, exp and tanh stay cheap: their derivatives are written in
-// their outputs (`h (1 - h)`, `1 - h * h`), so a later stage recomputes them at most once,
-// and where that happens in a memory-bound kernel it is free: bench/fusion's
-// `tanh(a*b + c) * sigmoid(a)` backward recomputes sigmoid(a) from a, and keeping it
-// saved instead took its fused forward + backward from 44 to 57 ms.
+// - silu, sin and cos, whose derivatives are written in their input (silu's `s (1 + z (1 -
+//   s))` with `s = sigmoid(z)`, sin's `cos(z)`), and the exp, sigmoid or tanh of a costly
+//   op's input z, up to two elementwise steps from z (`rematerializable` below): what
+//   those backwards build from z (silu's and softplus's sigmoid(z), elu's exp(z), gelu's
+//   exp(-z*z/2)). Each later stage that recomputed them paid a SLEEF exp or sin per
+//   element again, in row tiles where that exp is the cost: the joint backward of a SiLU
+//   PINN recomputed ten values of each layer, two sigmoids among them, that stages 1 and
+//   2 had already made (bench/higher_order.md, "Session of 2026-12-07, 10:40"); with
+//   elu's and gelu's exps kept saved too, a GELU PINN's staged step trails its whole loss
+//   by 5-12 points less (bench/higher_order.md, "The exp, sigmoid and tanh of a costly
+//   op's input stay saved").
+// Any other sigmoid, exp and tanh stay cheap: their derivatives are written in their
+// outputs (`h (1 - h)`, `1 - h * h`), so a later stage recomputes them at most once, and
+// where that happens in a memory-bound kernel it is free: bench/fusion's `tanh(a*b + c) *
+// sigmoid(a)` backward recomputes sigmoid(a) from a, and keeping it saved instead took its
+// fused forward + backward from 44 to 57 ms.
 inline bool costly_to_recompute(OpId id) {
   switch (id) {
     case OpId::softplus:
@@ -53,14 +57,28 @@ inline bool costly_to_recompute(OpId id) {
   }
 }
 
+// Whether `v`, or a value at most `depth` elementwise Op steps above it (its producer's
+// inputs, theirs), is read by an op that is costly to recompute.
+inline bool near_costly_input(const ir::Value* v, int depth) {
+  for (const ir::Use& u : v->uses())
+    if (const auto* user = u.user->get_if<ir::Op>(); user && costly_to_recompute(user->id())) return true;
+  if (depth == 0) return false;
+  const auto* op = v->node()->get_if<ir::Op>();
+  if (!op || !op->schema().elementwise) return false;
+  for (const ir::Value* in : v->node()->inputs())
+    if (near_costly_input(in, depth - 1)) return true;
+  return false;
+}
+
 inline bool rematerializable(const ir::Node& n, int64_t min_elements) {
   const auto* op = n.get_if<ir::Op>();
   if (!op || n.outputs().size() != 1 || n.has_side_effects() || !op->schema().elementwise) return false;
   if (costly_to_recompute(op->id())) return false;
-  // The sigmoid(z) that silu's backward builds from silu's input z (Note above).
-  if (op->id() == OpId::sigmoid && n.inputs().size() == 1)
-    for (const ir::Use& u : n.inputs()[0]->uses())
-      if (const auto* user = u.user->get_if<ir::Op>(); user && user->id() == OpId::silu) return false;
+  // What a costly op's backward builds from its input (Note above): silu's and softplus's
+  // sigmoid(z), elu's exp(z), gelu's exp(-z*z/2) two steps from z.
+  if ((op->id() == OpId::sigmoid || op->id() == OpId::exp || op->id() == OpId::tanh) && n.inputs().size() == 1 &&
+      near_costly_input(n.inputs()[0], 2))
+    return false;
   const ir::TensorType* t = n.output(0)->tensor_type();
   if (n.output(0)->is_handle() || !t) return false;
   int64_t numel = 1;
