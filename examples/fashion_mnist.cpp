@@ -688,9 +688,10 @@ void print_profile(const std::vector<Mode>& modes, const Options& o, const Model
 /// passes when it agrees with libtorch's float one within 1e-5 relative (max |a - b| /
 /// max |b|), or, failing that, when it is as close to libtorch's double-precision
 /// gradient (the oracle: the same step on the same values in double) as libtorch's float
-/// gradient is, to a factor of 2: a float convolution's weight gradient sums thousands
-/// of products per entry, and on some CPUs libtorch's own float result is 5e-5 relative
-/// from the exact one, so two correct float results can differ by more than 1e-5.
+/// gradient is, to a factor of 2, and within 1e-4 relative of it: a float convolution's
+/// weight gradient sums thousands of products per entry, and on some CPUs libtorch's own
+/// float result is 5e-5 relative from the exact one, so two correct float results can
+/// differ by more than 1e-5.
 /// Returns true when every gradient, loss and running statistic passes.
 bool check_gradients(const Options& o, const Model& model, const Params& init, const Split& train_set) {
   Params p;
@@ -716,14 +717,23 @@ bool check_gradients(const Options& o, const Model& model, const Params& init, c
     double lc = compiled.step(x, y, p, gc);
     at::manual_seed(step_seed(o.seed, 0, s));
     double lr = reference.step(x, y, p, gr);
-    // The oracle: libtorch in double on the same values, seeded alike (ATen's CPU
-    // bernoulli draws the same mask for a double tensor as for a float one).
-    Params pd, gd;
-    for (const auto& t : p) pd.push_back(t.to(at::kDouble));
-    at::manual_seed(step_seed(o.seed, 0, s));
-    const double ld = oracle.step(x.to(at::kDouble), y, pd, gd);
-    // An oracle whose loss differs (another mask) cannot vouch for anything.
-    const bool oracle_ok = std::abs(ld - lr) <= 1e-5 * std::max(std::abs(ld), 1e-30);
+    // The oracle, run at most once per batch and only when a gradient needs it: libtorch
+    // in double on the same values, seeded alike (ATen's CPU bernoulli draws the same
+    // mask for a double tensor as for a float one). An oracle whose loss differs
+    // (another mask) cannot vouch for anything. `p` stays as it is until the update below,
+    // and training-mode batch norm reads only the batch's statistics, so a late run sees
+    // the step the others saw.
+    Params gd;
+    bool oracle_ran = false, oracle_ok = false;
+    auto run_oracle = [&] {
+      if (oracle_ran) return;
+      oracle_ran = true;
+      Params pd;
+      for (const auto& t : p) pd.push_back(t.to(at::kDouble));
+      at::manual_seed(step_seed(o.seed, 0, s));
+      const double ld = oracle.step(x.to(at::kDouble), y, pd, gd);
+      oracle_ok = std::abs(ld - lr) <= 1e-5 * std::max(std::abs(ld), 1e-30);
+    };
     double lrel = std::abs(lc - lr) / std::max(std::abs(lr), 1e-30);
     std::printf("step %d: loss compiled %.8f libtorch %.8f (rel %.2e)%s\n", s, lc, lr, lrel,
                 lrel <= 1e-5 ? "" : "  MISMATCH");
@@ -734,24 +744,37 @@ bool check_gradients(const Options& o, const Model& model, const Params& init, c
     // check is that the compiled one is zero to the same precision.
     double step_scale = 0;
     for (const auto& g : gr) step_scale = std::max(step_scale, g.abs().max().item<double>());
+    if (gc.size() != gr.size()) {
+      std::printf("  MISMATCH: %zu compiled gradients, %zu libtorch ones\n", gc.size(), gr.size());
+      ok = false;
+      break;
+    }
     for (std::size_t i = 0; i < gr.size(); ++i) {
+      if (gc[i].sizes() != gr[i].sizes()) {
+        std::printf("  d%-7s MISMATCH: compiled shape %s, libtorch %s\n", names[i].c_str(),
+                    c10::str(gc[i].sizes()).c_str(), c10::str(gr[i].sizes()).c_str());
+        ok = false;
+        continue;
+      }
       double scale = gr[i].abs().max().item<double>();
       double err = (gc[i] - gr[i]).abs().max().item<double>();
       double rel = err / std::max(scale, 1e-30);
-      bool good = gc[i].sizes() == gr[i].sizes();
+      bool good = true;
       if (scale <= 1e-4 * step_scale) {
         const double compiled = gc[i].abs().max().item<double>();
         good = good && compiled <= 1e-4 * step_scale;
         std::printf("  d%-7s max|grad| compiled %.3e libtorch %.3e: zero to float precision (step's largest "
                     "gradient %.3e)%s\n", names[i].c_str(), compiled, scale, step_scale, good ? "" : "  MISMATCH");
-      } else if (rel <= 1e-5 || !good) {
-        good = good && rel <= 1e-5;
-        std::printf("  d%-7s max|diff| %.3e  max|grad| %.3e  rel %.2e%s\n", names[i].c_str(), err, scale, rel,
-                    good ? "" : "  MISMATCH");
+      } else if (rel <= 1e-5) {
+        std::printf("  d%-7s max|diff| %.3e  max|grad| %.3e  rel %.2e\n", names[i].c_str(), err, scale, rel);
       } else {
+        // As close to the double gradient as libtorch's float one, to a factor of 2, and
+        // never further than 1e-4 relative to it.
+        run_oracle();
         const double err_c = (gc[i].to(at::kDouble) - gd[i]).abs().max().item<double>();
         const double err_r = (gr[i].to(at::kDouble) - gd[i]).abs().max().item<double>();
-        good = oracle_ok && err_c <= 2 * err_r;
+        const double exact = gd[i].abs().max().item<double>();
+        good = oracle_ok && err_c <= 2 * err_r && err_c <= 1e-4 * exact;
         std::printf("  d%-7s max|diff| %.3e  max|grad| %.3e  rel %.2e; from double libtorch: compiled %.3e, "
                     "libtorch float %.3e%s\n", names[i].c_str(), err, scale, rel, err_c, err_r,
                     good        ? " (as close as libtorch's float)"

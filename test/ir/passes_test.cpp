@@ -333,12 +333,15 @@ TEST_SUITE("ir") {
     // A value whose op holds a logarithm, erf or expm1 (softplus, log, erf, gelu, elu),
     // or whose derivatives are written in its input (silu, sin, cos), costs more to
     // recompute than to read back, and so does an exp, sigmoid or tanh of such an op's
-    // input, up to two elementwise steps away (what those backwards build from it: elu's
-    // exp(x) %p, silu's and softplus's sigmoid(x) %q, gelu's exp(-x*x/2) %r): they stay
-    // saved. The tanh and exp of %y, which feeds nothing costly, are recomputed from %y,
-    // which stage 1 reads anyway. (A sigmoid of anything else is cheap: the test above.)
+    // input, or of a value at most two elementwise steps from it (what those backwards
+    // build from it: elu's exp(x) %p, silu's and softplus's sigmoid(x) %q, gelu's
+    // exp(-x*x/2) %r, and %ce, the exp of %cm that sin reads): they stay saved. Recomputed
+    // from what stage 1 reads anyway: the tanh and exp of %y, which feeds nothing costly;
+    // the tanh of %x3, which is a step *above* %cm, not below; and %r3, three steps from %x.
+    // (A sigmoid of anything else is cheap: the test above.)
     const std::string costly_in = R"(graph(%x : Float(2),
       %y : Float(2),
+      %x3 : Float(2),
       -------- stage 1 --------
       %g : Float(2)) {
   %s : Float(2) = softplus[beta=1.0, threshold=20.0](%x);
@@ -354,6 +357,12 @@ TEST_SUITE("ir") {
   %z : Float(2) = mul[other=-0.5](%v);
   %r : Float(2) = exp(%z);
   %t : Float(2) = exp(%y);
+  %cm : Float(2) = mul[other=3.0](%x3);
+  %cs : Float(2) = sin(%cm);
+  %ce : Float(2) = exp(%cm);
+  %ct : Float(2) = tanh(%x3);
+  %z3 : Float(2) = mul[other=2.0](%z);
+  %r3 : Float(2) = exp(%z3);
   ---------------- stage 1 ----------------
   %a : Float(2) = mul(%g, %s);
   %b : Float(2) = mul(%a, %l);
@@ -368,23 +377,33 @@ TEST_SUITE("ir") {
   %o2 : Float(2) = mul(%o, %r);
   %o3 : Float(2) = mul(%o2, %t);
   %o4 : Float(2) = mul(%o3, %y);
-  return (%s | %o4);
+  %o5 : Float(2) = mul(%o4, %cs);
+  %o6 : Float(2) = mul(%o5, %ce);
+  %o7 : Float(2) = mul(%o6, %ct);
+  %o8 : Float(2) = mul(%o7, %x3);
+  %o9 : Float(2) = mul(%o8, %r3);
+  return (%s | %o9);
 })";
     auto costly = ir::parse(costly_in);
-    CHECK(passes::rematerialize_cross_stage(*costly, 1) == 2);
+    CHECK(passes::rematerialize_cross_stage(*costly, 1) == 4);
     ir::lint(*costly);
     const std::string costly_text = ir::to_string(*costly);
     CHECK_MESSAGE(costly_text.find("  ---------------- stage 1 ----------------\n"
                                    "  %0 : Float(2) = tanh(%y);\n"
-                                   "  %1 : Float(2) = exp(%y);\n") != std::string::npos,
+                                   "  %1 : Float(2) = exp(%y);\n"
+                                   "  %2 : Float(2) = tanh(%x3);\n"
+                                   "  %3 : Float(2) = mul(%x, %x);\n"
+                                   "  %4 : Float(2) = mul[other=-0.5](%3);\n"
+                                   "  %5 : Float(2) = mul[other=2.0](%4);\n"
+                                   "  %6 : Float(2) = exp(%5);\n"
+                                   "  %a : Float(2) = mul(%g, %s);\n") != std::string::npos,
                   costly_text);
-    CHECK(costly_text.find("%a : Float(2) = mul(%g, %s);") != std::string::npos);
-    CHECK(costly_text.find("%b : Float(2) = mul(%a, %l);") != std::string::npos);
-    for (const char* kept : {"%d : Float(2) = mul(%c, %0);", "%f : Float(2) = mul(%e, %q);",
-                             "%i : Float(2) = mul(%f, %w);", "%j : Float(2) = mul(%i, %n);",
-                             "%m : Float(2) = mul(%j, %k);", "%o : Float(2) = mul(%m, %p);",
-                             "%o2 : Float(2) = mul(%o, %r);", "%o3 : Float(2) = mul(%o2, %1);"})
-      CHECK_MESSAGE(costly_text.find(kept) != std::string::npos, kept, "\n", costly_text);
-    CHECK(costly_text.find("%c : Float(2) = mul(%b, %u);") != std::string::npos);
+    for (const char* line :
+         {"%b : Float(2) = mul(%a, %l);", "%c : Float(2) = mul(%b, %u);", "%d : Float(2) = mul(%c, %0);",
+          "%f : Float(2) = mul(%e, %q);", "%i : Float(2) = mul(%f, %w);", "%j : Float(2) = mul(%i, %n);",
+          "%m : Float(2) = mul(%j, %k);", "%o : Float(2) = mul(%m, %p);", "%o2 : Float(2) = mul(%o, %r);",
+          "%o3 : Float(2) = mul(%o2, %1);", "%o5 : Float(2) = mul(%o4, %cs);", "%o6 : Float(2) = mul(%o5, %ce);",
+          "%o7 : Float(2) = mul(%o6, %2);", "%o9 : Float(2) = mul(%o8, %6);"})
+      CHECK_MESSAGE(costly_text.find(line) != std::string::npos, line, "\n", costly_text);
   }
 }

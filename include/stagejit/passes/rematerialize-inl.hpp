@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace stagejit::passes {
@@ -37,7 +38,7 @@ namespace detail {
 //   by 5-12 points less (bench/higher_order.md, "The exp, sigmoid and tanh of a costly
 //   op's input stay saved").
 // Any other sigmoid, exp and tanh stay cheap: their derivatives are written in their
-// outputs (`h (1 - h)`, `1 - h * h`), so a later stage recomputes them at most once, and
+// outputs (`h (1 - h)`, `1 - h * h`), so a later stage rebuilds only the value itself, and
 // where that happens in a memory-bound kernel it is free: bench/fusion's `tanh(a*b + c) *
 // sigmoid(a)` backward recomputes sigmoid(a) from a, and keeping it saved instead took its
 // fused forward + backward from 44 to 57 ms.
@@ -57,28 +58,48 @@ inline bool costly_to_recompute(OpId id) {
   }
 }
 
-// Whether `v`, or a value at most `depth` elementwise Op steps above it (its producer's
-// inputs, theirs), is read by an op that is costly to recompute.
-inline bool near_costly_input(const ir::Value* v, int depth) {
-  for (const ir::Use& u : v->uses())
-    if (const auto* user = u.user->get_if<ir::Op>(); user && costly_to_recompute(user->id())) return true;
-  if (depth == 0) return false;
-  const auto* op = v->node()->get_if<ir::Op>();
-  if (!op || !op->schema().elementwise) return false;
-  for (const ir::Value* in : v->node()->inputs())
-    if (near_costly_input(in, depth - 1)) return true;
-  return false;
+// The exp, sigmoid and tanh nodes a costly op's backward builds from that op's input z
+// (Note above: silu's and softplus's sigmoid(z), elu's exp(z), gelu's exp(-z*z/2)): those
+// whose input is read by a costly op, or is at most two elementwise Op steps from such a
+// read (the distance of a value is 0 when a costly op reads it, else 1 + the least distance
+// of its producer's inputs when that producer is an elementwise Op). Taken once, on the
+// graph as it comes in, in node order: one pass, and independent of the copies made later.
+inline std::unordered_set<const ir::Node*> kept_for_costly_backward(const ir::Graph& g) {
+  constexpr int kReach = 2, kFar = kReach + 1;
+  std::unordered_map<const ir::Value*, int> distance;
+  auto read_by_costly = [](const ir::Value* v) {
+    for (const ir::Use& u : v->uses())
+      if (const auto* user = u.user->get_if<ir::Op>(); user && costly_to_recompute(user->id())) return true;
+    return false;
+  };
+  auto distance_of = [&](const ir::Value* v) {
+    auto it = distance.find(v);
+    return it == distance.end() ? kFar : it->second;
+  };
+  for (const ir::Value* v : g.inputs())
+    if (read_by_costly(v)) distance[v] = 0;
+  std::unordered_set<const ir::Node*> kept;
+  for (const ir::Node* n : g.nodes()) {
+    const auto* op = n->get_if<ir::Op>();
+    int from_inputs = kFar;
+    if (op && op->schema().elementwise)
+      for (const ir::Value* in : n->inputs()) from_inputs = std::min(from_inputs, distance_of(in) + 1);
+    if (op && (op->id() == OpId::sigmoid || op->id() == OpId::exp || op->id() == OpId::tanh) &&
+        n->inputs().size() == 1 && distance_of(n->inputs()[0]) <= kReach)
+      kept.insert(n);
+    for (const ir::Value* o : n->outputs()) {
+      const int d = read_by_costly(o) ? 0 : from_inputs;
+      if (d <= kReach) distance[o] = d;
+    }
+  }
+  return kept;
 }
 
-inline bool rematerializable(const ir::Node& n, int64_t min_elements) {
+/// `kept`: from `kept_for_costly_backward`.
+inline bool rematerializable(const ir::Node& n, int64_t min_elements, const std::unordered_set<const ir::Node*>& kept) {
   const auto* op = n.get_if<ir::Op>();
   if (!op || n.outputs().size() != 1 || n.has_side_effects() || !op->schema().elementwise) return false;
-  if (costly_to_recompute(op->id())) return false;
-  // What a costly op's backward builds from its input (Note above): silu's and softplus's
-  // sigmoid(z), elu's exp(z), gelu's exp(-z*z/2) two steps from z.
-  if ((op->id() == OpId::sigmoid || op->id() == OpId::exp || op->id() == OpId::tanh) && n.inputs().size() == 1 &&
-      near_costly_input(n.inputs()[0], 2))
-    return false;
+  if (costly_to_recompute(op->id()) || kept.count(&n)) return false;
   const ir::TensorType* t = n.output(0)->tensor_type();
   if (n.output(0)->is_handle() || !t) return false;
   int64_t numel = 1;
@@ -97,6 +118,7 @@ STAGEJIT_FUNC std::size_t rematerialize_cross_stage(ir::Graph& g, int64_t min_el
   for (std::size_t i = 1; i < nodes.size(); ++i)
     if (nodes[i]->stage() < nodes[i - 1]->stage()) return 0;
   std::size_t copies = 0, replaced = 0;
+  const std::unordered_set<const ir::Node*> kept = detail::kept_for_costly_backward(g);
   for (std::size_t t = 1; t < g.num_stages(); ++t) {
     ir::Node* first = nullptr;
     for (ir::Node* n : nodes)
@@ -149,8 +171,9 @@ STAGEJIT_FUNC std::size_t rematerialize_cross_stage(ir::Graph& g, int64_t min_el
         ++copies;
         return available[v] = c->output();
       }
-      if (depth == 0 || n->stage() >= t || !detail::rematerializable(*n, min_elements)) return nullptr;
+      if (depth == 0 || n->stage() >= t) return nullptr;
       if (auto f = failed.find(v); f != failed.end() && f->second >= depth) return nullptr;
+      if (!detail::rematerializable(*n, min_elements, kept)) return nullptr;
       std::vector<ir::Value*> args;
       for (ir::Value* in : n->inputs()) {
         ir::Value* a = in_stage_t(in, depth - 1);
@@ -168,7 +191,8 @@ STAGEJIT_FUNC std::size_t rematerialize_cross_stage(ir::Graph& g, int64_t min_el
     };
     for (ir::Node* n : nodes) {
       if (n->stage() >= t) break;
-      if (!detail::rematerializable(*n, min_elements) || !read_by_t(n->output(0)) || !worth_copying(n->output(0)))
+      if (n->outputs().size() != 1 || !read_by_t(n->output(0)) || !detail::rematerializable(*n, min_elements, kept) ||
+          !worth_copying(n->output(0)))
         continue;
       ir::Value* out = n->output(0);
       available.erase(out);  // read by t, so listed as itself: make the copy instead

@@ -12,10 +12,11 @@
 /// node order, each value v of an earlier stage that a node of stage t reads is
 /// recomputed in stage t when v's node is *cheap*: an Op whose schema is elementwise,
 /// with no logarithm, erf or expm1 inside (softplus, log, erf, gelu, elu: their
-/// recomputation costs more than the read it saves), not silu, sin or cos, and not an
-/// exp, sigmoid or tanh of such an op's input, up to two elementwise steps from it (their
-/// derivatives are written in their input: every later stage would pay a SLEEF exp or
-/// sin per element again; passes/rematerialize-inl.hpp);
+/// recomputation costs more than the read it saves), not silu, sin or cos (their
+/// derivatives are written in their input), and not an exp, sigmoid or tanh within two
+/// elementwise steps of a costly op's input (what that op's backward builds from it):
+/// every later stage would pay a SLEEF exp or sin per element again
+/// (passes/rematerialize-inl.hpp);
 /// without side effects (nothing random or in place), with one output of at least
 /// `min_elements` elements, no Handle input or output; and each of its inputs is
 /// - a value stage t reads anyway (an earlier value or graph input with a stage-t use),
