@@ -24,6 +24,15 @@ for _flag in ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_thread
         _xla = (_xla + " " + _flag).strip()
 os.environ["XLA_FLAGS"] = _xla
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The flags above do not keep XLA on one thread: jax 0.10.2's CPU runtime still ran a
+# 2000x512x512 product on both cores of a 2-core VM (10.5 ms of CPU time per 5.4 ms of
+# wall time, 2026-12-07), which made JAX's product-bound rows (critic512) look 2x faster
+# than one core allows. So the process is pinned to one CPU (the first it may run on)
+# before torch or jax starts a thread; --all-cpus keeps the inherited affinity.
+_PINNED_CPU = None
+if "--all-cpus" not in __import__("sys").argv and hasattr(os, "sched_setaffinity"):
+    _PINNED_CPU = min(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {_PINNED_CPU})
 # A cold first call: inductor's on-disk caches (FX graph, AOT autograd, compiled C++)
 # would make a rerun's "first call" a cache load. A fresh cache folder per process
 # (removed at exit) unless --warm-cache.
@@ -201,6 +210,8 @@ def main(argv=None):
     p.add_argument("--small", action="store_true", help="the tests' small sizes")
     p.add_argument("--warm-cache", action="store_true",
                    help="keep inductor's on-disk caches (first calls of reruns load, not compile)")
+    p.add_argument("--all-cpus", action="store_true",
+                   help="do not pin the process to one CPU (XLA then uses every core it may run on)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the comparison with torch eager in double")
     args = p.parse_args(argv)
@@ -258,9 +269,10 @@ def main(argv=None):
     print("bench/peers: %s UTC, %s, %s cores, Python %s" % (
         time.strftime("%Y-%m-%d %H:%M", time.gmtime()), cpu_model(), os.cpu_count(),
         sys.version.split()[0]))
-    print("bench/peers: %s; XLA_FLAGS=%s; %s sizes; %d warm-up + %d rounds (median)" % (
-        ", ".join(versions), os.environ["XLA_FLAGS"], "small" if args.small else "default",
-        args.warmup, args.rounds))
+    print("bench/peers: %s; XLA_FLAGS=%s; %s; %s sizes; %d warm-up + %d rounds (median)" % (
+        ", ".join(versions), os.environ["XLA_FLAGS"],
+        "pinned to CPU %d" % _PINNED_CPU if _PINNED_CPU is not None else "not pinned (--all-cpus)",
+        "small" if args.small else "default", args.warmup, args.rounds))
     print("ratio = torch eager ms / this ms (same dtype); rel diff = max |x - ref| / max |ref| "
           "over loss and gradients, ref = torch eager in double")
     print()
