@@ -226,6 +226,64 @@ TEST_CASE("row-tiled regions: a lone elementwise op runs as a kernel, narrow and
   CHECK(max_abs_diff(tiled[n_at].data(), want) <= 1e-12);
 }
 
+TEST_CASE("row-tiled regions: an inner grad's seed (ones_like) and a zeros_like stay in the region") {
+  if (!sj::ops::small_mm_enabled()) return;
+  at::manual_seed(13);
+  // What a whole loss's first stage holds at grad(u, x, ones_like(u), create_graph): the
+  // seed between the forward's last product and the backward's first. Left out of the
+  // region, it split the stage in two; here one region runs every node, the seed and the
+  // zeros as one-node kernels.
+  auto g = sj::ir::parse(R"(graph(%x : Double(2500, 2),
+      %w1 : Double(2, 20),
+      %b1 : Double(20),
+      %w2 : Double(20, 1),
+      %w2t : Double(1, 20),
+      %w1t : Double(20, 2)) {
+  %a : Double(2500, 20) = mm(%x, %w1);
+  %z : Double(2500, 20) = add(%a, %b1);
+  %h : Double(2500, 20) = tanh(%z);
+  %u : Double(2500, 1) = mm(%h, %w2);
+  %s : Double(2500, 1) = ones_like(%u);
+  %gh : Double(2500, 20) = mm(%s, %w2t);
+  %o : Double(2500, 20) = zeros_like(%gh);
+  %d : Double(2500, 20) = mul(%gh, %h);
+  %e : Double(2500, 20) = add(%d, %o);
+  %dx : Double(2500, 2) = mm(%e, %w1t);
+  return (%u, %dx);
+})");
+  const auto regions = sj::closure::find_row_tiled_regions(g->nodes(), 2048);
+  REQUIRE(regions.size() == 1);
+  CHECK(regions[0].nodes.size() == g->nodes().size());
+  sj::closure::TiledRegionRunner runner(regions[0], 384, {});
+  const at::Tensor x = at::randn({kRows, 2}, at::kDouble), w1 = at::randn({2, 20}, at::kDouble) * 0.7,
+                   b1 = at::randn({20}, at::kDouble) * 0.1, w2 = at::randn({20, 1}, at::kDouble) * 0.3;
+  std::map<const sj::ir::Value*, at::Tensor> given = {{g->inputs()[0], x},
+                                                      {g->inputs()[1], w1},
+                                                      {g->inputs()[2], b1},
+                                                      {g->inputs()[3], w2},
+                                                      {g->inputs()[4], w2.t().contiguous()},
+                                                      {g->inputs()[5], w1.t().contiguous()}};
+  sj::variable_list in;
+  for (const sj::ir::Value* v : regions[0].inputs) in.emplace_back(given.at(v));
+  const auto tiled = runner.run(in);
+  const auto plain = runner.run_untiled(in);
+  REQUIRE(tiled.size() == 2);
+  REQUIRE(plain.size() == 2);
+  // ATen's: u = tanh(x w1 + b1) w2 and d(sum u)/dx = ((1 w2^T) * h) w1^T.
+  const at::Tensor h = at::tanh(at::mm(x, w1) + b1);
+  const at::Tensor u = at::mm(h, w2), dx = at::mm(at::mm(at::ones_like(u), w2.t()) * h, w1.t());
+  for (std::size_t j = 0; j < 2; ++j) {
+    CAPTURE(j);
+    const at::Tensor& want = regions[0].outputs[j] == g->outputs()[0] ? u : dx;
+    CHECK(max_abs_diff(tiled[j].data(), want) <= 1e-12);
+    CHECK(max_abs_diff(plain[j].data(), want) <= 1e-12);
+  }
+  const auto counts = runner.step_counts();
+  CHECK(counts.count("aten") == 0);
+  CHECK(counts.at("kernel") == 6);  // add, tanh, ones_like, zeros_like, mul, add
+  CHECK(counts.at("product") == 4);
+}
+
 TEST_CASE("cross-stage rematerialisation: fewer values cross stages, the same step as libtorch") {
   const auto [data, want] = reference_step(10, at::kDouble);
   std::map<std::pair<bool, int64_t>, std::size_t> saved;

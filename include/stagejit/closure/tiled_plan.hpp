@@ -325,7 +325,12 @@ inline std::vector<TiledRegion> row_tiled_regions_with_rows(const std::vector<ir
       default:
         break;
     }
-    if (!def.elementwise || !is_row_type(out) || !out->is_contiguous()) return RowLayout::Bad;
+    // ones_like and zeros_like read only their input's shape: row local like an
+    // elementwise op. An inner grad call's seed, ones_like(u), left out, split a whole
+    // loss's stage at every such call: each later region read the earlier ones' values
+    // back whole (a KdV whole loss: three splits in its first stage).
+    const bool fill = op->id() == OpId::ones_like || op->id() == OpId::zeros_like;
+    if (!(def.elementwise || fill) || !is_row_type(out) || !out->is_contiguous()) return RowLayout::Bad;
     for (std::size_t i = 0; i < in.size(); ++i)
       if (in[i] == RowLayout::RowT || in[i] == RowLayout::Col ||
           (in[i] == RowLayout::Invariant && !broadcasts_to(n->inputs()[i], out->sizes[1])))

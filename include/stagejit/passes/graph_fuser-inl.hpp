@@ -35,9 +35,10 @@ STAGEJIT_FUNC bool is_fusable(const ir::Node& n) {
     if (dtype && *dtype != t->dtype) return false;
     dtype = t->dtype;
   }
-  // zeros_like is not elementwise in the op table (it has no derivative and reads only
-  // its input's shape), but a kernel writes it as a literal (fusion/detail/codegen_ops).
-  return op->schema().elementwise || op->id() == OpId::zeros_like;
+  // zeros_like and ones_like are not elementwise in the op table (they have no
+  // derivative and read only their input's shape), but a kernel writes them as literals
+  // (fusion/detail/codegen_ops).
+  return op->schema().elementwise || op->id() == OpId::zeros_like || op->id() == OpId::ones_like;
 }
 
 STAGEJIT_FUNC bool worth_a_kernel_alone(const ir::Node& n) {

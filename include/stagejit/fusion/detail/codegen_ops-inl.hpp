@@ -116,7 +116,7 @@ STAGEJIT_FUNC const ir::Op& fusable_op(const ir::Node& node) {
   const std::string name(op->name());
   if (op->id() == OpId::unknown)
     throw FusionError("fusion: unknown op '" + name + "' (not in the op table, ops/op_schema.hpp)");
-  if (!op->schema().elementwise && op->id() != OpId::zeros_like)
+  if (!op->schema().elementwise && op->id() != OpId::zeros_like && op->id() != OpId::ones_like)
     throw FusionError("fusion: op '" + name + "' is not elementwise and cannot be fused");
   return *op;
 }
@@ -295,6 +295,19 @@ STAGEJIT_FUNC const std::vector<OpForms>& op_forms() {
          e.need(1);
          e.result_bool = e.operand_bool[0];
          return e.lit(0);
+       }},
+      // ones_like(x): the seed of an inner grad call (grad(u, x, ones_like(u))); a literal
+      // too, so that it neither splits a row-tiled region nor runs as an op of its own.
+      {{OpId::ones_like},
+       [](OpExpression& e) -> R {
+         e.need(1);
+         e.result_bool = e.operand_bool[0];
+         return e.lit(1);
+       },
+       [](OpExpression& e) -> R {
+         e.need(1);
+         e.result_bool = e.operand_bool[0];
+         return e.lit(1);
        }},
       {{OpId::where},
        [](OpExpression& e) -> R {
