@@ -52,6 +52,7 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace sj = stagejit;
@@ -227,6 +228,41 @@ bool run_workload(ho::Workload& w, bool small, int rounds, int warmup, int block
 
 }  // namespace
 
+// --print-graphs: each stage's row-tiled regions (rows, nodes, products) and the nodes left
+// outside that read a row value made in a region: each such node ends a region, and what
+// runs after it reads the region's values back whole (Note [Row-tiled regions]).
+void print_regions(const sj::closure::MultiStageClosure& c) {
+  for (std::size_t s = 0; s < c.plan.num_stages(); ++s) {
+    const auto& nodes = c.plan.stage_nodes(s);
+    const auto regions = sj::closure::find_row_tiled_regions(nodes, sj::closure::kMinTiledRows);
+    std::unordered_set<const sj::ir::Value*> made;  // row values made in a region
+    std::unordered_set<const sj::ir::Node*> inside;
+    std::printf("  stage %zu: %zu nodes, %zu row-tiled regions", s, nodes.size(), regions.size());
+    for (const auto& r : regions) {
+      std::size_t products = 0;
+      for (const sj::ir::Node* n : r.nodes) {
+        inside.insert(n);
+        products += sj::closure::tiling::is_matrix_product(*n) || n->describe() == "addmm";
+        for (const sj::ir::Value* o : n->outputs()) {
+          const sj::ir::TensorType* t = o->tensor_type();
+          if (t && t->sizes.size() == 2 && t->sizes[0] == r.rows) made.insert(o);
+        }
+      }
+      std::printf(" [%zu rows: %zu nodes, %zu products]", std::size_t(r.rows), r.nodes.size(), products);
+    }
+    std::printf("\n");
+    for (const sj::ir::Node* n : nodes) {
+      if (inside.count(n)) continue;
+      for (const sj::ir::Value* v : n->inputs())
+        if (made.count(v)) {
+          std::printf("    outside, reads row value %%%zu of a region: %%%zu = %s\n", std::size_t(v->id()),
+                      n->outputs().empty() ? std::size_t(0) : std::size_t(n->outputs()[0]->id()), n->describe().c_str());
+          break;
+        }
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   std::vector<std::string> workloads;
   std::string dtype_opt = "both";
@@ -321,9 +357,11 @@ int main(int argc, char** argv) {
         (void)w->step(ho::Mode::Staged);
         (void)w->step(ho::Mode::WholeLoss);
         std::cout << "# " << name << ", " << dtype_name(dt) << ": the staged net\n"
-                  << *w->compiled_net().graph_for(w->last_net_inputs()) << "\n# " << name << ", "
-                  << dtype_name(dt) << ": the whole loss\n"
+                  << *w->compiled_net().graph_for(w->last_net_inputs()) << "\n";
+        print_regions(*w->compiled_net().closure_for(w->last_net_inputs()));
+        std::cout << "# " << name << ", " << dtype_name(dt) << ": the whole loss\n"
                   << *w->compiled_loss().graph_for(w->last_loss_inputs()) << "\n";
+        print_regions(*w->compiled_loss().closure_for(w->last_loss_inputs()));
       }
     return 0;
   }

@@ -198,11 +198,15 @@ class Workload {
       loss = loss_(in)[0];
     } else {
       const bool staged = m == Mode::Staged;
-      auto net = [this, staged](const Variable& x, const variable_list& p) {
+      bool first_call = true;
+      auto net = [this, staged, &first_call](const Variable& x, const variable_list& p) {
         if (!staged) return mlp<Variable>(x, p, act_);
         variable_list in{x};
         in.insert(in.end(), p.begin(), p.end());
-        last_net_inputs_ = spec_of(in);
+        // The call of the most rows (the collocation points, not the boundary's).
+        if (first_call || last_net_inputs_.empty() || x.data().size(0) >= last_net_inputs_[0].data().size(0))
+          last_net_inputs_ = spec_of(in);
+        first_call = false;
         return net_(in)[0];
       };
       loss = loss_sj(net, w, d);
@@ -215,9 +219,10 @@ class Workload {
   /// The staged mode's compiled network and the whole-loss mode's compiled loss.
   CompiledFunction& compiled_net() { return net_; }
   CompiledFunction& compiled_loss() { return loss_; }
-  /// Leaves with the data and requires_grad of the inputs of the last staged step's last
-  /// call of the compiled net, and of the last whole-loss step's compiled loss (empty
-  /// before such a step), holding no step's graph: `graph_for` takes them.
+  /// Leaves with the data and requires_grad of the inputs of the last staged step's call
+  /// of the compiled net with the most rows (the last of those), and of the last
+  /// whole-loss step's compiled loss (empty before such a step), holding no step's graph:
+  /// `graph_for` takes them.
   const variable_list& last_net_inputs() const { return last_net_inputs_; }
   const variable_list& last_loss_inputs() const { return last_loss_inputs_; }
 
