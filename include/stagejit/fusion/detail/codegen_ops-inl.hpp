@@ -137,6 +137,11 @@ STAGEJIT_FUNC void OpExpression::scalar_second(std::string_view key) {
 
 STAGEJIT_FUNC const std::vector<OpForms>& op_forms() {
   using R = std::optional<std::string>;
+  const auto fill_literal = [](OpExpression& e) -> R {
+    e.need(1);
+    e.result_bool = e.operand_bool[0];
+    return e.lit(e.op.id() == OpId::ones_like ? 1 : 0);
+  };
   static const std::vector<OpForms> table = {
       {{OpId::add, OpId::sub, OpId::rsub},
        [](OpExpression& e) -> R {
@@ -283,32 +288,10 @@ STAGEJIT_FUNC const std::vector<OpForms>& op_forms() {
          e.result_bool = true;
          return "T(" + e.a[0] + " != " + e.lit(0) + " && " + e.a[1] + " != " + e.lit(0) + ")";
        }},
-      // zeros_like(x): zeros of x's shape and dtype (a where's backward writes its
-      // untaken branch with one); fused, it is a literal, neither written nor read.
-      {{OpId::zeros_like},
-       [](OpExpression& e) -> R {
-         e.need(1);
-         e.result_bool = e.operand_bool[0];
-         return e.lit(0);
-       },
-       [](OpExpression& e) -> R {
-         e.need(1);
-         e.result_bool = e.operand_bool[0];
-         return e.lit(0);
-       }},
-      // ones_like(x): the seed of an inner grad call (grad(u, x, ones_like(u))); a literal
-      // too, so that it neither splits a row-tiled region nor runs as an op of its own.
-      {{OpId::ones_like},
-       [](OpExpression& e) -> R {
-         e.need(1);
-         e.result_bool = e.operand_bool[0];
-         return e.lit(1);
-       },
-       [](OpExpression& e) -> R {
-         e.need(1);
-         e.result_bool = e.operand_bool[0];
-         return e.lit(1);
-       }},
+      // zeros_like(x), ones_like(x): x's shape and dtype filled with 0 or 1 (a where's
+      // backward writes its untaken branch with zeros; an inner grad call's seed is
+      // ones_like(u)); fused, a literal, neither written nor read, in both dialects.
+      {{OpId::zeros_like, OpId::ones_like}, fill_literal, fill_literal},
       {{OpId::where},
        [](OpExpression& e) -> R {
          e.need(3);
