@@ -68,6 +68,13 @@ void check_rounds(int rounds, StepFn step, const Step& want, double tol) {
 }
 
 // The Functions of the stages of `c` that run row-tiled regions.
+// Every region call in scope runs tiled with its kernels built (a call made while one is
+// compiling runs untiled, and a runner's step counts then read its plan, not its run).
+struct WaitForKernels {
+  bool before = sj::fusion::set_wait_for_kernels(true);
+  ~WaitForKernels() { sj::fusion::set_wait_for_kernels(before); }
+};
+
 std::size_t count_regions(const sj::closure::MultiStageClosure& c) {
   std::size_t n = 0;
   for (const auto& stage : c.stages)
@@ -173,6 +180,7 @@ TEST_CASE("row-tiled regions: a compiled loss with inner grads (narrow, cat, lon
 
 TEST_CASE("row-tiled regions: a lone elementwise op runs as a kernel, narrow and cat as column copies") {
   if (!sj::ops::small_mm_enabled()) return;
+  const WaitForKernels built;
   at::manual_seed(12);
   // Parsed, not fused: the mul and the sigmoid are lone ops between products. narrow
   // takes a negative start; cat's second input is a strided view of a graph input.
@@ -228,6 +236,7 @@ TEST_CASE("row-tiled regions: a lone elementwise op runs as a kernel, narrow and
 
 TEST_CASE("row-tiled regions: an inner grad's seed (ones_like) and a zeros_like stay in the region") {
   if (!sj::ops::small_mm_enabled()) return;
+  const WaitForKernels built;
   at::manual_seed(13);
   // What a whole loss's first stage holds at grad(u, x, ones_like(u), create_graph): the
   // seed between the forward's last product and the backward's first. Left out of the
@@ -269,7 +278,8 @@ TEST_CASE("row-tiled regions: an inner grad's seed (ones_like) and a zeros_like 
   const auto plain = runner.run_untiled(in);
   REQUIRE(tiled.size() == 2);
   REQUIRE(plain.size() == 2);
-  // ATen's: u = tanh(x w1 + b1) w2 and d(sum u)/dx = ((1 w2^T) * h) w1^T.
+  // ATen's: u = tanh(x w1 + b1) w2 and the backward-shaped chain ((1 w2^T) * h) w1^T (h
+  // standing in for the activation's derivative).
   const at::Tensor h = at::tanh(at::mm(x, w1) + b1);
   const at::Tensor u = at::mm(h, w2), dx = at::mm(at::mm(at::ones_like(u), w2.t()) * h, w1.t());
   for (std::size_t j = 0; j < 2; ++j) {
