@@ -40,6 +40,7 @@
 #include <stagejit/implementation.hpp>  // header-only builds: the bodies
 
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -57,6 +58,9 @@
 
 namespace stagejit {
 namespace {
+
+// Nodes made ready by one delivery (a handful): inline (Note [Graph task allocations]).
+using ReadyList = c10::SmallVector<uint32_t, 8>;
 
 struct Contribution {
   uint64_t key;
@@ -106,20 +110,27 @@ class FunctionIndex {
     size_ = 0;
     mask_ = 0;
   }
+  /// Room for `n` Functions without growing (a task's size is known from the last call
+  /// of the same closure, usually the same graph: Note [Graph task allocations]).
+  void reserve(std::size_t n) {
+    std::size_t want = 64;
+    while (want < 2 * n) want *= 2;
+    if (want > slots_.size()) {
+      std::vector<Entry> old = std::move(slots_);
+      slots_.assign(want, Entry{nullptr, 0});
+      mask_ = want - 1;
+      size_ = 0;
+      for (const Entry& e : old)
+        if (e.first) emplace(e.first, e.second);
+    }
+  }
 
  private:
   std::size_t slot_of(const Function* f) const noexcept {
     const auto h = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(f)) * 0x9E3779B97F4A7C15ull;
     return static_cast<std::size_t>(h >> 32) & mask_;
   }
-  void grow() {
-    std::vector<Entry> old = std::move(slots_);
-    slots_.assign(std::max<std::size_t>(64, 2 * old.size()), Entry{nullptr, 0});
-    mask_ = slots_.size() - 1;
-    size_ = 0;
-    for (const Entry& e : old)
-      if (e.first) emplace(e.first, e.second);
-  }
+  void grow() { reserve(std::max<std::size_t>(32, slots_.size())); }
   std::vector<Entry> slots_;
   std::size_t size_ = 0, mask_ = 0;
 };
@@ -129,7 +140,8 @@ struct Node {
   int deps = 0;
   bool needed = true;
   bool captured = false;
-  std::vector<Contribution> buffer;
+  // Most inputs get one or two contributions: kept inline (Note [Graph task allocations]).
+  c10::SmallVector<Contribution, 2> buffer;
   variable_list inputs;  // summed buffer, filled when the node becomes ready
   std::vector<char> emitted;  // outputs already delivered early (Note [Early outputs])
   // Note [Joint nodes]: the joint node this member's inputs go to, at `input_offset`.
@@ -223,7 +235,7 @@ class Pool {
 // Delivers output `i` of producer `producer` (key base) along edge `e`; appends the node
 // index that became ready to `ready`. Caller holds task.mutex.
 void deliver_one(GraphTask& task, uint64_t producer, std::size_t i, const Edge& e, Variable value,
-                 std::vector<uint32_t>& ready) {
+                 ReadyList& ready) {
   if (!e.is_valid()) return;
   auto it = task.index.find(e.function.get());
   if (it == task.index.end()) return;
@@ -243,7 +255,7 @@ void deliver_one(GraphTask& task, uint64_t producer, std::size_t i, const Edge& 
 // positions marked in `emitted` (delivered early); appends the node indices that became
 // ready to `ready` (in edge order). Caller holds task.mutex.
 void deliver(GraphTask& task, uint64_t producer, const std::vector<Edge>& edges,
-             variable_list& outputs, std::vector<uint32_t>& ready,
+             variable_list& outputs, ReadyList& ready,
              const std::vector<char>& emitted = {}) {
   for (std::size_t i = 0; i < edges.size(); ++i) {
     if (i < emitted.size() && emitted[i]) continue;
@@ -277,7 +289,6 @@ void gather(GraphTask& task, uint32_t idx) {
     acc = acc.defined() ? stagejit::add(acc, c.value) : std::move(c.value);
   }
   node.buffer.clear();
-  node.buffer.shrink_to_fit();
   if (node.captured) {
     auto it = task.capture_of.find(idx);
     if (it != task.capture_of.end())
@@ -549,9 +560,9 @@ void record_error(GraphTask& task, const Function& fn) {
   }
 }
 
-// Gathers the nodes in `ready` and returns those that must run.
-std::vector<uint32_t> gather_ready(GraphTask& task, const std::vector<uint32_t>& ready) {
-  std::vector<uint32_t> to_run;
+// Gathers the nodes in `ready` and puts those that must run in `to_run` (cleared first).
+void gather_ready(GraphTask& task, const ReadyList& ready, ReadyList& to_run) {
+  to_run.clear();
   for (uint32_t r : ready) {
     try {
       gather(task, r);
@@ -561,6 +572,10 @@ std::vector<uint32_t> gather_ready(GraphTask& task, const std::vector<uint32_t>&
     }
     if (task.nodes[r].needed) to_run.push_back(r);
   }
+}
+ReadyList gather_ready(GraphTask& task, const ReadyList& ready) {
+  ReadyList to_run;
+  gather_ready(task, ready, to_run);
   return to_run;
 }
 
@@ -569,7 +584,7 @@ std::vector<uint32_t> gather_ready(GraphTask& task, const std::vector<uint32_t>&
 void process(const std::shared_ptr<GraphTask>& task_ptr, uint32_t start) {
   GraphTask& task = *task_ptr;
   uint32_t idx = start;
-  std::vector<uint32_t> ready;
+  ReadyList ready, to_run;
   while (true) {
     Node& node = task.nodes[idx];
     bool failed;
@@ -594,7 +609,7 @@ void process(const std::shared_ptr<GraphTask>& task_ptr, uint32_t start) {
         deliver(task, uint64_t{idx} + 1, node.fn->next_functions, outputs, ready, node.emitted);
     }
     outputs.clear();
-    std::vector<uint32_t> to_run = gather_ready(task, ready);
+    gather_ready(task, ready, to_run);
     std::optional<uint32_t> next;
     std::size_t queued = 0;
     bool done;
@@ -666,6 +681,29 @@ template <class E, class... Es>
   else rethrow_other(error, prefix);
 }
 
+// Note [Graph task allocations]
+// A compiled stage runs a graph task of its Functions on every call, and at the tests'
+// sizes (a PINN of a few hundred points) the task's own bookkeeping is a large part of
+// the call: a KdV staged step made about 8 000 heap allocations, glibc's malloc and free
+// a quarter of its samples (heaptrack and perf, bench/higher_order.md). So an input's
+// contributions are kept inline up to two (most inputs get one), the ready lists are
+// reused along a chain, and the node array and Function index are sized from the task
+// the same callbacks (the same compiled stage) ran last on this thread, instead of
+// growing by doubling on every call.
+struct TaskSizeHints {
+  static constexpr std::size_t kEntries = 16;
+  std::pair<const void*, std::size_t> entries[kEntries] = {};
+  std::pair<const void*, std::size_t>& of(const void* key) noexcept {
+    return entries[(reinterpret_cast<uintptr_t>(key) >> 4) % kEntries];
+  }
+  std::size_t get(const void* key) noexcept {
+    const auto& e = of(key);
+    return e.first == key ? e.second : 0;
+  }
+  void set(const void* key, std::size_t n) noexcept { of(key) = {key, n}; }
+};
+thread_local TaskSizeHints tl_task_sizes;
+
 [[noreturn]] void rethrow_with_name(const GraphTask& task) {
   rethrow_prefixed<ShapeError, DtypeError, TraceError, CompileError, FusionError, IrError,
                    DistributedError>(
@@ -692,6 +730,11 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
   task.hook = current_trace_hook();
   task.callbacks = callbacks.empty() ? nullptr : &callbacks;
   task.call_state = state;
+  const void* size_key = task.callbacks ? static_cast<const void*>(task.callbacks) : nullptr;
+  if (const std::size_t hint = size_key ? tl_task_sizes.get(size_key) : 0; hint > 0) {
+    task.nodes.reserve(hint + 4);  // joint nodes come after discovery
+    task.index.reserve(hint + 4);
+  }
 
   // Discovery (preorder indices) and post-order, iteratively.
   std::vector<uint32_t> post_order;
@@ -723,6 +766,7 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
   }
   STAGEJIT_CHECK(!task.nodes.empty(),
                  "execute: there are no graph nodes that require computing gradients");
+  if (size_key) tl_task_sizes.set(size_key, task.nodes.size());
 
   if (!options.capture.empty()) {
     task.captured.resize(options.capture.size());
@@ -762,12 +806,12 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
   if (!options.create_graph) form_joint_nodes(task);
 
   AutoGradMode grad_mode(options.create_graph);
-  std::vector<uint32_t> ready;
+  ReadyList ready;
   {
     variable_list root_inputs = inputs;
     deliver(task, 0, roots, root_inputs, ready);
   }
-  std::vector<uint32_t> to_run = gather_ready(task, ready);
+  ReadyList to_run = gather_ready(task, ready);
   if (!to_run.empty() && !task.error) {
     {
       std::lock_guard<std::mutex> lock(task.mutex);
@@ -815,7 +859,7 @@ OutputSink early_output_sink(const Function& self) {
   if (a.fn != &self || !a.task_ptr) return {};
   return [task_ptr = *a.task_ptr, idx = a.idx](std::size_t i, Variable value) {
     GraphTask& task = *task_ptr;
-    std::vector<uint32_t> ready;
+    ReadyList ready;
     {
       std::lock_guard<std::mutex> lock(task.mutex);
       if (task.error || task.nodes.empty()) return;
@@ -829,7 +873,7 @@ OutputSink early_output_sink(const Function& self) {
       node.emitted[i] = 1;
       deliver_one(task, uint64_t{idx} + 1, i, edges[i], std::move(value), ready);
     }
-    std::vector<uint32_t> to_run = gather_ready(task, ready);
+    ReadyList to_run = gather_ready(task, ready);
     {
       std::lock_guard<std::mutex> lock(task.mutex);
       if (task.error) to_run.clear();
