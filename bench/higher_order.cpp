@@ -231,35 +231,54 @@ bool run_workload(ho::Workload& w, bool small, int rounds, int warmup, int block
 // --print-graphs: each stage's row-tiled regions (rows, nodes, products) and the nodes left
 // outside that read a row value made in a region: each such node ends a region, and what
 // runs after it reads the region's values back whole (Note [Row-tiled regions]).
-void print_regions(const sj::closure::MultiStageClosure& c) {
-  for (std::size_t s = 0; s < c.plan.num_stages(); ++s) {
-    const auto& nodes = c.plan.stage_nodes(s);
-    const auto regions = sj::closure::find_row_tiled_regions(nodes, sj::closure::kMinTiledRows);
-    std::unordered_set<const sj::ir::Value*> made;  // row values made in a region
-    std::unordered_set<const sj::ir::Node*> inside;
-    std::printf("  stage %zu: %zu nodes, %zu row-tiled regions", s, nodes.size(), regions.size());
-    for (const auto& r : regions) {
-      std::size_t products = 0;
-      for (const sj::ir::Node* n : r.nodes) {
-        inside.insert(n);
-        products += sj::closure::tiling::is_matrix_product(*n) || n->describe() == "addmm";
-        for (const sj::ir::Value* o : n->outputs()) {
-          const sj::ir::TensorType* t = o->tensor_type();
-          if (t && t->sizes.size() == 2 && t->sizes[0] == r.rows) made.insert(o);
-        }
+void print_stage_regions(const std::string& label, const std::vector<sj::ir::Node*>& nodes) {
+  const auto regions = sj::closure::find_row_tiled_regions(nodes, sj::closure::kMinTiledRows);
+  std::unordered_set<const sj::ir::Value*> made;  // row values made in a region
+  std::unordered_set<const sj::ir::Node*> inside;
+  std::size_t products = 0;
+  for (const sj::ir::Node* n : nodes)
+    products += sj::closure::tiling::is_matrix_product(*n) || n->describe() == "addmm";
+  std::printf("  %s: %zu nodes, %zu products, %zu row-tiled regions", label.c_str(), nodes.size(), products,
+              regions.size());
+  for (const auto& r : regions) {
+    std::size_t in_region = 0;
+    for (const sj::ir::Node* n : r.nodes) {
+      inside.insert(n);
+      in_region += sj::closure::tiling::is_matrix_product(*n) || n->describe() == "addmm";
+      for (const sj::ir::Value* o : n->outputs()) {
+        const sj::ir::TensorType* t = o->tensor_type();
+        if (t && t->sizes.size() == 2 && t->sizes[0] == r.rows) made.insert(o);
       }
-      std::printf(" [%zu rows: %zu nodes, %zu products]", std::size_t(r.rows), r.nodes.size(), products);
     }
-    std::printf("\n");
-    for (const sj::ir::Node* n : nodes) {
-      if (inside.count(n)) continue;
-      for (const sj::ir::Value* v : n->inputs())
-        if (made.count(v)) {
-          std::printf("    outside, reads row value %%%zu of a region: %%%zu = %s\n", std::size_t(v->id()),
-                      n->outputs().empty() ? std::size_t(0) : std::size_t(n->outputs()[0]->id()), n->describe().c_str());
-          break;
-        }
-    }
+    std::printf(" [%zu rows: %zu nodes, %zu products]", std::size_t(r.rows), r.nodes.size(), in_region);
+  }
+  std::printf("\n");
+  for (const sj::ir::Node* n : nodes) {
+    if (inside.count(n)) continue;
+    for (const sj::ir::Value* v : n->inputs())
+      if (made.count(v)) {
+        std::printf("    outside, reads row value %%%zu of a region: %%%zu = %s\n", std::size_t(v->id()),
+                    n->outputs().empty() ? std::size_t(0) : std::size_t(n->outputs()[0]->id()), n->describe().c_str());
+        break;
+      }
+  }
+}
+
+// The base stages, then the stage variants the steps built and ran (Note [Stage variants]:
+// a call runs its stage specialised on the gradients it gets, the outputs it must give and
+// whether later stages will run; the joint backward is one of them).
+void print_regions(const sj::closure::MultiStageClosure& c) {
+  for (std::size_t s = 0; s < c.plan.num_stages(); ++s)
+    print_stage_regions("stage " + std::to_string(s), c.plan.stage_nodes(s));
+  auto variants = c.variants();
+  std::sort(variants.begin(), variants.end(), [](const auto& a, const auto& b) {
+    return a->key.stage != b->key.stage ? a->key.stage < b->key.stage : a->key.to_string() < b->key.to_string();
+  });
+  for (const auto& v : variants) {
+    std::vector<sj::ir::Node*> nodes;
+    for (sj::ir::Node* n : v->graph->nodes())
+      if (n->stage() == v->key.stage) nodes.push_back(n);
+    print_stage_regions("variant (" + v->key.to_string() + ")", nodes);
   }
 }
 

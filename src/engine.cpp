@@ -147,6 +147,14 @@ struct Node {
   // Note [Joint nodes]: the joint node this member's inputs go to, at `input_offset`.
   int64_t joined_into = -1;
   uint32_t input_offset = 0;
+
+  Node() = default;
+  // noexcept, so that the node array moves its records when it grows instead of copying
+  // them (c10::SmallVector's own move is not declared noexcept).
+  Node(Node&&) noexcept = default;
+  Node& operator=(Node&&) noexcept = default;
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
 };
 
 struct GraphTask {
@@ -345,12 +353,14 @@ variable_list call_function(const std::shared_ptr<GraphTask>& task_ptr, uint32_t
     for (auto it = range.first; it != range.second; ++it)
       if (!run_callback(it->second, fn, inputs, nullptr, task.call_state)) return variable_list(n);
   }
-  bool has_post = cbs && !cbs->post.empty() && cbs->post.count(&fn) > 0;
+  using PostRange = std::pair<decltype(cbs->post.cbegin()), decltype(cbs->post.cbegin())>;
+  PostRange post;  // one lookup: empty when the Function has no post callback
+  if (cbs && !cbs->post.empty()) post = cbs->post.equal_range(&fn);
+  const bool has_post = post.first != post.second;
   variable_list outputs;
   if (has_post) {
     outputs = fn.apply(inputs);
-    auto range = cbs->post.equal_range(&fn);
-    for (auto it = range.first; it != range.second; ++it)
+    for (auto it = post.first; it != post.second; ++it)
       if (!run_callback(it->second, fn, inputs, &outputs, task.call_state)) return variable_list(n);
   } else {
     outputs = fn.apply(std::move(inputs));
