@@ -693,13 +693,17 @@ template <class E, class... Es>
 
 // Note [Graph task allocations]
 // A compiled stage runs a graph task of its Functions on every call, and at the tests'
-// sizes (a PINN of a few hundred points) the task's own bookkeeping is a large part of
-// the call: a KdV staged step made about 8 000 heap allocations, glibc's malloc and free
-// a quarter of its samples (heaptrack and perf, bench/higher_order.md). So an input's
-// contributions are kept inline up to two (most inputs get one), the ready lists are
-// reused along a chain, and the node array and Function index are sized from the task
-// the same callbacks (the same compiled stage) ran last on this thread, instead of
-// growing by doubling on every call.
+// sizes (a PINN of a hundred points) the task's own bookkeeping is a large part of the
+// call: glibc's malloc and free took a quarter of a small KdV staged step's samples, and
+// the step made about 6 600 heap allocations (heaptrack; deliver_one's contribution
+// buffers, the ready lists and the index's regrowth among the largest sources). So an
+// input's contributions are kept inline up to two (most inputs get one), the ready lists
+// are inline and reused along a chain, the node records move (not copy) when their array
+// grows, and the node array and Function index are sized from the task the same callbacks
+// (the same compiled stage) ran last on this thread instead of growing by doubling on
+// every call. After it: about 5 100 allocations per step and the step 11-14 % faster
+// (bench/higher_order.md, "Session of 2026-12-07, 16:52"). What remains is per Function:
+// its inputs and outputs vectors, a Variable and a tensor per output.
 struct TaskSizeHints {
   static constexpr std::size_t kEntries = 16;
   std::pair<const void*, std::size_t> entries[kEntries] = {};
