@@ -37,6 +37,13 @@ const Shape kShapes[] = {
     {256, 512, 256, "hvp weight grad"},       {512, 256, 10, "hvp output layer"},
     {256, 512, 10, "hvp output weight grad"}, {100, 20, 20, "under 128 rows"},
     {32, 256, 10, "cnn classifier (reduction)"},
+    // The same narrow layer feature-major (W^T H^T: the rows along the vector), the layout
+    // a row-tiled region could keep for layers of a few dozen units (bench/higher_order.md,
+    // "Session of 2026-12-07, 16:52"), whole and at a tile's rows.
+    {20, 20, 10000, "burgers layer, feature-major"},   {256, 20, 20, "burgers tile (256 rows)"},
+    {20, 20, 256, "burgers tile, feature-major"},      {256, 32, 32, "kdv tile (256 rows)"},
+    {32, 32, 256, "kdv tile, feature-major"},          {40, 40, 1000, "maml layer, feature-major"},
+    {4000, 50, 50, "poisson layer (tall)"},            {50, 50, 4000, "poisson layer, feature-major"},
 };
 
 }  // namespace
