@@ -701,7 +701,7 @@ template <class E, class... Es>
 // are inline and reused along a chain, the node records move (not copy) when their array
 // grows, and the node array and Function index are sized from the task the same callbacks
 // (the same compiled stage) ran last on this thread instead of growing by doubling on
-// every call. After it: about 5 100 allocations per step and the step 11-14 % faster
+// every call. After it: about 5 100 allocations per step, and that step 11-14 % faster
 // (bench/higher_order.md, "Session of 2026-12-07, 16:52"). What remains is per Function:
 // its inputs and outputs vectors, a Variable and a tensor per output.
 struct TaskSizeHints {
