@@ -30,7 +30,8 @@
 // --warm-cache, in the default cache folder), --only MODE --steps N (after the first
 // round, N steps of that one mode and nothing else: the run to put under `perf record`),
 // --print-graphs (after one staged and one whole-loss step, the optimised graphs of the
-// staged net and of the whole loss, every stage, and nothing else), --print-products (each
+// staged net and of the whole loss, every stage, each stage's row-tiled regions and the stage
+// variants the steps ran, and nothing else), --print-products (each
 // mode's products of the profiled step by operator and operand shapes).
 #include "../examples/cli.hpp"
 #include "../test/support/higher_order.hpp"
@@ -332,7 +333,8 @@ int main(int argc, char** argv) {
                "shapes (calls and time)");
   app.add_flag("--print-graphs", print_graphs,
                "After one staged and one whole-loss step, print the optimised graphs of the staged net and of "
-               "the whole loss (every stage), and nothing else");
+               "the whole loss (every stage), each stage's row-tiled regions and the stage variants the steps "
+               "ran, and nothing else");
   if (auto status = stagejit_examples::parse_command_line(app, argc, argv)) return *status;
   if (workloads.empty()) workloads = all;
 
