@@ -33,6 +33,7 @@
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
+#include <stagejit/core/aten_dispatch.hpp>
 #include <stagejit/core/aten_error.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/memory/host_allocator.hpp>
@@ -174,6 +175,8 @@ struct GraphTask {
   // Started inside a NoHostCacheScope (a compiled stage with cache_host_memory off): its
   // functions run inside one too, on whichever thread.
   bool no_host_cache = false;
+  // ExecuteOptions::below_aten_autograd (Note [Below libtorch's autograd keys]).
+  bool below_aten_autograd = false;
   TraceHook* hook = nullptr;
   const ExecuteCallbacks* callbacks = nullptr;
   CallState* call_state = nullptr;
@@ -284,6 +287,7 @@ void gather(GraphTask& task, uint32_t idx) {
     }
   memory::HostCacheScope host_cache(cache);
   memory::NoHostCacheScope no_host_cache(refuse && !cache);
+  BelowAtenAutograd below_autograd(task.below_aten_autograd);
   std::size_t n = node.fn->num_inputs;
   for (auto& c : node.buffer) n = std::max<std::size_t>(n, c.slot + 1);
   node.inputs.assign(n, Variable());
@@ -345,6 +349,7 @@ variable_list call_function(const std::shared_ptr<GraphTask>& task_ptr, uint32_t
   GraphTask& task = *task_ptr;
   const std::size_t n = fn.next_functions.size();
   ApplyingGuard applying(task_ptr, idx, fn);
+  BelowAtenAutograd below_autograd(task.below_aten_autograd);
   memory::HostCacheScope host_cache(task.cache_host_memory);
   memory::NoHostCacheScope no_host_cache(task.no_host_cache);
   const ExecuteCallbacks* cbs = task.callbacks;
@@ -741,6 +746,7 @@ variable_list execute(const std::vector<Edge>& roots, const variable_list& input
   // whichever thread runs its functions.
   task.cache_host_memory = options.cache_host_memory || memory::HostCacheScope::active();
   task.no_host_cache = !task.cache_host_memory && memory::NoHostCacheScope::active();
+  task.below_aten_autograd = options.below_aten_autograd;
   task.hook = current_trace_hook();
   task.callbacks = callbacks.empty() ? nullptr : &callbacks;
   task.call_state = state;

@@ -110,6 +110,42 @@ TEST_SUITE("closure") {
     for (int k = 0; k <= 2; ++k) check_compiled(sj_fn, torch_fn, data, {true, true}, k);
   }
 
+  TEST_CASE("a host function using libtorch's own autograd runs inside compiled stages") {
+    // Compiled stages run below libtorch's autograd keys (Note [Below libtorch's autograd
+    // keys]); a host function's forward and backward get them back, so libtorch records
+    // the graph its code builds on its own tensors, as it would eagerly.
+    struct CubeByLibtorch : sj::HostFunction<CubeByLibtorch> {
+      static sj::Variable forward(sj::HostContext* ctx, sj::Variable x) {
+        ctx->save_for_backward({x});
+        at::Tensor t = x.data().detach().requires_grad_(true);
+        at::Tensor y = t.pow(3);
+        REQUIRE(y.requires_grad());
+        // 3 x^2 through libtorch's autograd, checked against the formula.
+        at::Tensor dy = torch::autograd::grad({y.sum()}, {t})[0];
+        CHECK(max_abs_diff(dy, 3 * x.data().pow(2)) < 1e-12);
+        return sj::Variable(y.detach());
+      }
+      static sj::variable_list backward(sj::HostContext* ctx, sj::variable_list g) {
+        at::Tensor t = ctx->get_saved_variables()[0].data().detach().requires_grad_(true);
+        at::Tensor y = t.pow(3);
+        return {sj::Variable(torch::autograd::grad({y}, {t}, {g[0].data()})[0])};
+      }
+    };
+    auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::tanh(CubeByLibtorch::apply(sj::sin(in[0])))};
+    }, {.derivatives = 1});
+    const at::Tensor data = at::tensor({0.3, -1.2, 2.0}, at::kDouble);
+    auto x = sj::Variable(data, true);
+    for (int call = 0; call < 2; ++call) {  // the trace, then the compiled stages
+      auto y = f({x})[0];
+      auto g = sj::grad({sj::sum(y)}, {x})[0];
+      const at::Tensor s = data.sin();
+      const at::Tensor u = s.pow(3).tanh();
+      CHECK(max_abs_diff(y.data(), u) < 1e-12);
+      CHECK(max_abs_diff(g.data(), (1 - u * u) * 3 * s * s * data.cos()) < 1e-12);
+    }
+  }
+
   TEST_CASE("bug log: x^5 at 1 with 2 derivatives gives 5 and 20; with 1, the second throws") {
     auto f2 = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
       return {sj::pow(in[0], 5.0)};

@@ -181,6 +181,24 @@ TEST_CASE("issue 20, item 3: a saved tensor modified in place is refused, as lib
     auto g = sj::grad({y}, {x})[0];
     CHECK(max_abs_diff(g.data(), at::full({3}, 3.0, at::kDouble)) == 0.0);
   }
+  SUBCASE("compiled: a view of an input made in a stage, changed through its base") {
+    // Compiled stages run below libtorch's ADInplaceOrView kernels (Note [Below libtorch's
+    // autograd keys]); their views still share their base's version counter.
+    for (bool fuse : {true, false}) {
+      CAPTURE(fuse);
+      auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+        return {sj::sum(sj::mul(in[0], sj::t(in[1])))};
+      }, {.derivatives = 1, .fuse = fuse});
+      for (int call = 0; call < 2; ++call) {  // the trace, then the compiled stages
+        CAPTURE(call);
+        sj::Variable a(at::randn({2, 3}, at::kDouble), true), base(at::randn({3, 2}, at::kDouble));
+        auto z = f({a, base})[0];
+        base.data().mul_(3);
+        std::string msg = error_of<sj::Error>([&] { sj::grad({z}, {a}); });
+        CHECK_MESSAGE(contains(msg, "modified by an inplace operation"), msg);
+      }
+    }
+  }
   SUBCASE("compiled: a value captured for a later stage, at orders 1 and 2, fused or not") {
     for (bool fuse : {true, false}) {
       CAPTURE(fuse);

@@ -30,6 +30,10 @@ struct ExecuteOptions {
   /// core/memory/host_allocator.hpp). Also on when `execute` is called inside an open
   /// `HostCacheScope` (as `compile()` traces).
   bool cache_host_memory = false;
+  /// Run each function below libtorch's Autograd and ADInplaceOrView dispatch keys, on
+  /// whichever thread (Note [Below libtorch's autograd keys] in core/aten_dispatch.hpp;
+  /// compiled stages set this). Host functions' own code gets the keys back.
+  bool below_aten_autograd = false;
   /// Edges whose incoming gradient `execute` returns (summed), in this order. When
   /// non-empty, only functions on a path to one of them run, and the functions of these
   /// edges are not run unless another capture lies behind them.

@@ -122,6 +122,7 @@ STAGEJIT_FUNC variable_list apply_host_backward(Function& self, HostBackward& hb
   variable_list results;
   {
     TraceHookGuard suspend(hb.traceable ? current_trace_hook() : nullptr);
+    AtenAutogradKeys user_code;  // Note [Below libtorch's autograd keys]
     results = hb.backward(hb.ctx.get(), grads);
     results = per_tensor_input(hb, std::move(results));
     // As libtorch's validate_outputs (engine.cpp): a gradient of another shape that the

@@ -32,6 +32,7 @@
 #include <stagejit/autograd/saved_variable.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
 #include <stagejit/autograd/variable.hpp>
+#include <stagejit/core/aten_dispatch.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/scalar.hpp>
 
@@ -242,6 +243,7 @@ struct HostFunction {
     variable_list outputs;
     {
       NoGradGuard no_grad;
+      AtenAutogradKeys user_code;  // Note [Below libtorch's autograd keys]
       std::optional<TraceHookGuard> suspend;
       if (!traceable) suspend.emplace(nullptr);
       if constexpr (std::is_same_v<R, Variable>) {

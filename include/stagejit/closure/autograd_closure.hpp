@@ -58,6 +58,7 @@
 #include <stagejit/closure/plan.hpp>
 #include <stagejit/closure/specialize.hpp>
 #include <stagejit/closure/stage_closure.hpp>
+#include <stagejit/core/aten_dispatch.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/memory/host_allocator.hpp>
 #include <stagejit/fusion/codegen.hpp>
@@ -397,6 +398,8 @@ class StageCall final : public ClosureImpl {
     // HostCacheScope opened around the call (Note [Eager ops allocate from the host cache],
     // ops/op_table-inl.hpp); the engine carries this to its other threads.
     memory::NoHostCacheScope no_host_cache(!d.cache_host_memory);
+    // Note [Below libtorch's autograd keys]: here, and in the engine on every thread.
+    BelowAtenAutograd below_autograd;
     const bool joint = d.joint_stage != 0 && s == d.joint_stage;
     const auto& stage_inputs = d.plan.stage_inputs(s);
     STAGEJIT_CHECK(inputs.size() == stage_inputs.size(), "compiled stage ", s, " expects ",
@@ -482,6 +485,7 @@ class StageCall final : public ClosureImpl {
     options.keep_graph = true;
     options.single_threaded = !d.inter_op_parallel;
     options.cache_host_memory = d.cache_host_memory;
+    options.below_aten_autograd = true;
     execute(sc.roots, leaves, options, sc.callbacks, &state);
     state.outputs.resize(sc.num_outputs);
     return true;

@@ -23,6 +23,7 @@
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/closure/plan.hpp>
 #include <stagejit/closure/tiled_region.hpp>
+#include <stagejit/core/aten_dispatch.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/overloaded.hpp>
 #include <stagejit/fusion/codegen.hpp>
@@ -300,7 +301,11 @@ struct StageClosure {
                                       std::vector<at::Tensor> t;
                                       t.reserve(in.size());
                                       for (const auto& v : in) t.push_back(v.data());
-                                      return {Variable(tensor_fn(t))};
+                                      at::Tensor out = tensor_fn(t);
+                                      // A Transpose or Reshape view made below libtorch's
+                                      // autograd keys (Note [Below libtorch's autograd keys]).
+                                      share_version_counter_with_base(out, t);
+                                      return {Variable(std::move(out))};
                                     }},
                            {}, n_in);
     };

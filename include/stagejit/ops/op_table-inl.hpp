@@ -15,6 +15,7 @@
 #include <stagejit/autograd/grad_mode.hpp>
 #include <stagejit/autograd/trace_hook.hpp>
 #include <stagejit/autograd/variable.hpp>
+#include <stagejit/core/aten_dispatch.hpp>
 #include <stagejit/core/aten_error.hpp>
 #include <stagejit/core/error.hpp>
 #include <stagejit/core/memory/host_allocator.hpp>
@@ -867,15 +868,7 @@ STAGEJIT_FUNC variable_list apply(const OpDef& op, const variable_list& inputs, 
   std::vector<at::Tensor> outs = run_forward(op, tensors, attrs);
   // A view shares its base's version counter, as ATen's ADInplaceOrView kernels (which
   // run_forward skips) make it, so a saved view sees an in-place change of its base.
-  for (auto& o : outs) {
-    if (!o.defined() || o.is_inference()) continue;
-    for (const auto& in : tensors) {
-      if (in.unsafeGetTensorImpl() == o.unsafeGetTensorImpl() || in.is_inference() || !o.is_alias_of(in))
-        continue;
-      o.unsafeGetTensorImpl()->set_version_counter(in.unsafeGetTensorImpl()->version_counter());
-      break;
-    }
-  }
+  for (auto& o : outs) share_version_counter_with_base(o, tensors);
   variable_list results;
   results.reserve(outs.size());
   if (any_requires_grad && op.differentiable && op.backward && GradMode::is_enabled()) {
