@@ -380,6 +380,61 @@ TEST_CASE("row-tiled regions: a 16-dimensional Laplacian (a fusion group of more
   CHECK(count_regions(*compiled.closure_for(in)) > 0);
 }
 
+TEST_CASE("row-tiled regions: broadcast kernel inputs and product biases of every shape equal libtorch") {
+  // The runner copies an input every tile reads alike into a dense [tile, C] block (a
+  // [C] or [1, C] bias, a 0-d or [1] scalar, a row expanded with stride 0) and a product's
+  // bias into one row (Note [Row-tiled regions]); each form, over tiles with a tail, at
+  // every derivative, against libtorch in double.
+  if (!sj::ops::small_mm_enabled()) return;
+  WaitForKernels wait;
+  constexpr int64_t N = 300, C = 12;
+  at::manual_seed(21);
+  const auto o = at::TensorOptions().dtype(at::kDouble);
+  const std::vector<at::Tensor> data = {
+      at::randn({N, 3}, o),             // x
+      at::randn({3, C}, o) * 0.5,       // W1
+      at::randn({C}, o) * 0.1,          // b1 [C]: the product's bias
+      at::randn({C, C}, o) * 0.3,       // W2
+      at::randn({1, C}, o) * 0.1,       // b2 [1, C]: the second product's bias
+      at::randn({1, C}, o),             // r [1, C]
+      at::randn({}, o),                 // s 0-d
+      at::randn({1}, o),                // s1 [1]
+      at::randn({C}, o).expand({N, C})  // e [N, C], rows alike (stride 0)
+  };
+  auto body = [](const auto& in, auto mm, auto tanh, auto sum) {
+    auto h = tanh(mm(in[0], in[1]) + in[2]);
+    auto u = tanh(mm(h, in[3]) + in[4]) * in[5] + h * in[6] + in[7] * in[8] * h;
+    return sum(u * u);
+  };
+  auto f = sj::compile([&](const sj::variable_list& in) -> sj::variable_list {
+    return {body(in, [](auto a, auto b) { return sj::mm(a, b); }, [](auto a) { return sj::tanh(a); },
+                 [](auto a) { return sj::sum(a); })};
+  }, {.derivatives = 2, .tile_rows = 128});
+  std::vector<torch::Tensor> tin;
+  for (const auto& t : data) tin.push_back(t.clone().requires_grad_(true));
+  const torch::Tensor tl = body(tin, [](auto a, auto b) { return torch::mm(a, b); },
+                                [](auto a) { return torch::tanh(a); }, [](auto a) { return torch::sum(a); });
+  const torch::Tensor tgx = torch::autograd::grad({tl}, {tin[0]}, {}, true, true)[0];
+  const auto want = torch::autograd::grad({(tgx * tgx).sum()}, {tin[0], tin[1], tin[3]});
+  for (int call = 0; call < 2; ++call) {  // the trace, then the compiled stages
+    CAPTURE(call);
+    sj::variable_list in;
+    for (std::size_t i = 0; i < data.size(); ++i) in.emplace_back(data[i], i == 0 || i == 1 || i == 3);
+    const sj::Variable loss = f(in)[0];
+    CHECK(std::abs(loss.data().item<double>() - tl.item<double>()) <= 1e-10 * (1 + std::abs(tl.item<double>())));
+    const sj::Variable gx = sj::grad({loss}, {in[0]}, {}, /*create_graph=*/true)[0];
+    CHECK(max_abs_diff(gx.data(), tgx) <= 1e-10 * (1 + tgx.abs().max().item<double>()));
+    const auto got = sj::grad({sj::sum(gx * gx)}, {in[0], in[1], in[3]});
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      CAPTURE(i);
+      CHECK(max_abs_diff(got[i].data(), want[i]) <= 1e-10 * (1 + want[i].abs().max().item<double>()));
+    }
+  }
+  sj::variable_list in;
+  for (std::size_t i = 0; i < data.size(); ++i) in.emplace_back(data[i], i == 0 || i == 1 || i == 3);
+  CHECK(count_regions(*f.closure_for(in)) > 0);
+}
+
 TEST_CASE("row-tiled regions: stages shorter than one tile equal libtorch in double") {
   if (!sj::ops::small_mm_enabled()) return;
   for (int64_t rows : {1, 2, 3, 100}) {

@@ -341,6 +341,39 @@ class TiledRegionRunner {
     int64_t s0 = 0, s1 = 0;  // element strides
   };
 
+  // Writes `t` broadcast to [rows, C] (as `t.expand({rows, C})` reads it) into the dense
+  // block `dst` of t's element type: a 0-d tensor, [C], [1] or [1, C] is one row repeated; a
+  // [R, C] tensor whose rows are alike (stride 0) too; any other [R, C] gives its first
+  // `rows` rows. Raw copies, where narrow, expand and contiguous cost a dispatch and a
+  // tensor each.
+  static void fill_broadcast_block(char* dst, const at::Tensor& t, int64_t rows, int64_t C) {
+    STAGEJIT_CHECK(t.dim() <= 2, "tiled region: a broadcast kernel input of ", t.dim(),
+                   " dimensions (expected at most 2)");
+    const int64_t esz = static_cast<int64_t>(t.element_size());
+    const char* src = static_cast<const char*>(t.data_ptr());
+    const int64_t sc = t.dim() == 0 || t.size(-1) == 1 ? 0 : t.stride(-1);
+    STAGEJIT_CHECK(sc == 0 || t.size(-1) == C, "tiled region: a broadcast kernel input of ", t.size(-1),
+                   " columns for a kernel of ", C);
+    int64_t sr = 0;
+    if (t.dim() == 2 && t.size(0) != 1 && t.stride(0) != 0) {
+      STAGEJIT_CHECK(t.size(0) >= rows, "tiled region: a kernel input of ", t.size(0),
+                     " rows read as a block of ", rows);
+      sr = t.stride(0);
+    }
+    const int64_t row_bytes = C * esz;
+    const int64_t first = sr == 0 ? 1 : rows;  // rows to read from t
+    for (int64_t r = 0; r < first; ++r) {
+      char* out = dst + r * row_bytes;
+      const char* in = src + r * sr * esz;
+      if (sc == 1) {
+        std::memcpy(out, in, std::size_t(row_bytes));
+      } else {
+        for (int64_t c = 0; c < C; ++c) std::memcpy(out + c * esz, in + c * sc * esz, std::size_t(esz));
+      }
+    }
+    for (int64_t r = first; r < rows; ++r) std::memcpy(dst + r * row_bytes, dst, std::size_t(row_bytes));
+  }
+
   // Runs the tiles at element type T (float or double); defined after the class, and
   // instantiated once in the compiled library (extern template below).
   template <class T>
@@ -365,10 +398,10 @@ class TiledRegionRunner {
   };
 
   // Appends the arguments of fused step `st` (kernel `kernel`, iteration shape [rows, C])
-  // for this call to `out`. `base`: where each value lives; `dense_in[k]`: a dense
-  // [tile_rows, C] block that replaces input k (or null).
+  // for this call to `out`. `base`: where each value lives; `dense_in[k]` (one per input of
+  // the step): a dense [tile_rows, C] block that replaces input k (or null).
   FusedCall plan_fused_call(const Step& st, const tiling::FusedStep& f, const fusion::CpuKernel& kernel,
-                            const std::vector<View>& base, const std::vector<const char*>& dense_in,
+                            const std::vector<View>& base, const char* const* dense_in,
                             FusedArgs& out) const {
     const int64_t C = f.cols;
     const std::size_t n = st.in.size() + st.out.size();
@@ -519,23 +552,6 @@ variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, co
     outputs[j] = at::empty(val.sizes, options.dtype(val.dtype));
   }
   std::vector<at::Tensor> reductions(reductions_);
-  // The scratch slots, carved out of one block (64-byte aligned each): one allocation
-  // of a size the host cache serves again call after call, where a few dozen small ones
-  // left glibc's heap top to be trimmed and faulted in again on every call (a 500-point
-  // PINN step in double spent 7 % of its time in page faults).
-  std::vector<at::Tensor> slots;
-  slots.reserve(slot_cols_.size());
-  {
-    constexpr int64_t align = 64 / static_cast<int64_t>(sizeof(T));
-    int64_t total = 0;
-    for (int64_t c : slot_cols_) total += (tile_ * c + align - 1) / align * align;
-    const at::Tensor block = at::empty({std::max<int64_t>(total, 1)}, options);
-    int64_t offset = 0;
-    for (int64_t c : slot_cols_) {
-      slots.push_back(block.narrow(0, offset, tile_ * c).view({tile_, c}));
-      offset += (tile_ * c + align - 1) / align * align;
-    }
-  }
   auto full_of = [&](std::size_t v) -> at::Tensor {
     const Value& val = values_[v];
     switch (val.storage) {
@@ -560,12 +576,78 @@ variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, co
   const std::vector<std::shared_ptr<const fusion::CpuKernel>>& kernels = kernels_for(in);
   if (kernels.empty()) return run_untiled(inputs);
 
+  // Kernel inputs that every tile sees alike (a broadcast bias, a row of an expand with
+  // stride 0) become one dense [tile_rows, C] block per call, so that every argument of
+  // such a kernel is dense and it runs as one long vector loop instead of row by row; a
+  // product's bias becomes one too, copied into the product's output before each tile.
+  // `dense_in` holds, per fused step, one entry per input (from `dense_first[i]`): the
+  // input's block, or null.
+  struct BlockRequest {
+    at::Tensor tensor;
+    int64_t cols;
+    const char** slot;  // where the block's address goes
+  };
+  std::vector<const char*> dense_in;
+  std::vector<std::size_t> dense_first(steps_.size(), 0);
+  std::vector<const char*> bias_block(steps_.size(), nullptr);
+  c10::SmallVector<BlockRequest, 16> requests;
+  {
+    std::size_t n = 0;
+    for (std::size_t i = 0; i < steps_.size(); ++i)
+      if (tiling::fused_form(steps_[i].kind) && kernels[i]) n += steps_[i].in.size();
+    dense_in.assign(n, nullptr);
+    n = 0;
+    for (std::size_t i = 0; i < steps_.size(); ++i) {
+      const Step& st = steps_[i];
+      if (const tiling::FusedStep* f = tiling::fused_form(st.kind); f && kernels[i]) {
+        dense_first[i] = n;
+        for (std::size_t k = 0; k < st.in.size(); ++k) {
+          const Value& val = values_[st.in[k]];
+          if (val.storage != Storage::Input) continue;
+          const at::Tensor& t = in[std::size_t(val.index)];
+          const int64_t s0 = t.dim() > 1 ? t.stride(0) : 0;
+          if (!val.row || (s0 == 0 && val.cols == f->cols)) requests.push_back({t, f->cols, &dense_in[n + k]});
+        }
+        n += st.in.size();
+      } else if (auto* mm = std::get_if<tiling::RowMmStep>(&st.kind); mm && mm->has_bias) {
+        // The bias as one row: [M] or [1, M] as it is, any other shape flattened.
+        const at::Tensor& bias = tensor_of(st.in[0]);
+        const bool row = bias.dim() == 1 || (bias.dim() == 2 && bias.size(0) == 1);
+        requests.push_back({row ? bias : bias.reshape({-1}), tensor_of(st.in[2]).size(1), &bias_block[i]});
+      }
+    }
+  }
+  // The scratch slots and the blocks, carved out of one allocation (64-byte aligned
+  // each) of a size the host cache serves again call after call, where a few dozen small
+  // ones left glibc's heap top to be trimmed and faulted in again on every call (a
+  // 500-point PINN step in double spent 7 % of its time in page faults).
+  c10::SmallVector<char*, 16> slots;
+  at::Tensor scratch;
+  {
+    constexpr int64_t align = 64;
+    auto aligned = [](int64_t bytes) { return (bytes + align - 1) / align * align; };
+    int64_t total = 0;
+    for (int64_t c : slot_cols_) total += aligned(tile_ * c * int64_t(sizeof(T)));
+    for (const auto& r : requests) total += aligned(tile_ * r.cols * int64_t(r.tensor.element_size()));
+    scratch = at::empty({std::max<int64_t>(total, 1)}, options.dtype(at::kByte));
+    char* p = static_cast<char*>(scratch.data_ptr());
+    for (int64_t c : slot_cols_) {
+      slots.push_back(p);
+      p += aligned(tile_ * c * int64_t(sizeof(T)));
+    }
+    for (const auto& r : requests) {
+      fill_broadcast_block(p, r.tensor, tile_, r.cols);
+      *r.slot = p;
+      p += aligned(tile_ * r.cols * int64_t(r.tensor.element_size()));
+    }
+  }
+
   // Where each value lives in this call; a row value's tile starts r0 rows further.
   std::vector<View> base(values_.size());
   for (std::size_t v = 0; v < values_.size(); ++v) {
     const Value& val = values_[v];
     if (val.storage == Storage::Scratch) {
-      base[v] = {static_cast<char*>(slots[std::size_t(val.index)].data_ptr()), val.cols, 1};
+      base[v] = {slots[std::size_t(val.index)], val.cols, 1};
       continue;
     }
     if (val.storage != Storage::Input && val.storage != Storage::Output) continue;
@@ -578,18 +660,6 @@ variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, co
     if (val.row && val.storage != Storage::Scratch) b.data += r0 * b.s0 * val.elem;
     return b;
   };
-  // Kernel inputs that every tile sees alike (a broadcast bias, a row of an expand with
-  // stride 0) become one dense [tile_rows, C] block per call, so that every argument of
-  // such a kernel is dense and it runs as one long vector loop instead of row by row.
-  std::vector<at::Tensor> blocks;
-  std::vector<std::vector<const char*>> dense_in(steps_.size());
-  std::vector<const char*> bias_block(steps_.size(), nullptr);
-  auto block_of = [&](const at::Tensor& t, int64_t C) -> const char* {
-    // Rows alike (stride 0): one of them; else the first tile's rows.
-    at::Tensor b = t.dim() == 2 && t.size(0) != 1 ? t.narrow(0, 0, t.stride(0) == 0 ? 1 : tile_) : t;
-    blocks.push_back(b.expand({tile_, C}).contiguous());
-    return static_cast<const char*>(blocks.back().data_ptr());
-  };
   std::vector<FusedCall> fused(steps_.size());
   FusedArgs fused_args;
   {
@@ -601,25 +671,18 @@ variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, co
   }
   for (std::size_t i = 0; i < steps_.size(); ++i) {
     const Step& st = steps_[i];
-    if (tiling::fused_form(st.kind) && kernels[i]) {
-      const tiling::FusedStep* f = tiling::fused_form(st.kind);
-      dense_in[i].assign(st.in.size(), nullptr);
-      for (std::size_t k = 0; k < st.in.size(); ++k) {
-        const Value& val = values_[st.in[k]];
-        if (val.storage != Storage::Input) continue;
-        const bool broadcast_rows = !val.row || (base[st.in[k]].s0 == 0 && val.cols == f->cols);
-        if (broadcast_rows) dense_in[i][k] = block_of(in[std::size_t(val.index)], f->cols);
-      }
-      fused[i] = plan_fused_call(st, *f, *kernels[i], base, dense_in[i], fused_args);
-    } else if (auto* mm = std::get_if<tiling::RowMmStep>(&st.kind); mm && mm->has_bias) {
-      bias_block[i] = block_of(tensor_of(st.in[0]).reshape({1, -1}), contiguous_b[st.in[2]].size(1));
-    }
+    if (const tiling::FusedStep* f = tiling::fused_form(st.kind); f && kernels[i])
+      fused[i] = plan_fused_call(st, *f, *kernels[i], base, dense_in.data() + dense_first[i], fused_args);
   }
   const std::vector<T> ones(std::size_t(tile_), T(1));  // column sums as products
-  // Reduction products: the first tile's product is written to the step's buffer and every
-  // later tile's product is added to it by the GEMM (beta = 1), so the sum over the rows
-  // accumulates in T as one product over all N rows would (libtorch's own reduction).
-  std::vector<std::vector<T>> sums(steps_.size());
+  // Reduction products: the first tile's product is written to the step's result and
+  // every later tile's product is added to it by the GEMM (beta = 1), so the sum over the
+  // rows accumulates in T as one product over all N rows would (libtorch's own reduction).
+  auto result_of = [&](std::size_t step_index) -> at::Tensor& {
+    const Value& o = values_[steps_[step_index].out[0]];
+    return o.storage == Storage::Output ? outputs[std::size_t(o.index)] : reductions[std::size_t(o.index)];
+  };
+  std::vector<char> summed(steps_.size(), 0);  // a reduction product's first tile is in
   // Column sums: each tile's in T (`part`), added over the tiles in double.
   std::vector<T> part;
   std::vector<std::vector<double>> column_sums(steps_.size());
@@ -677,11 +740,11 @@ variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, co
       const View Y = view(step->in[1], r0);
       const Value& o = values_[step->out[0]];
       const int64_t K = o.sizes[0], M = o.sizes[1];
-      std::vector<T>& acc = sums[i];
-      const bool first = acc.empty();
-      if (first) acc.resize(std::size_t(K * M));
+      T* acc = result_of(i).template data_ptr<T>();  // contiguous [K, M]
+      const bool first = !summed[i];
+      summed[i] = 1;
       refused = refused || !ops::small_mm_raw(xp, a_s0, a_s1, reinterpret_cast<const T*>(Y.data),
-                                              Y.s0, Y.s1, acc.data(), M, K, rows, M, !first);
+                                              Y.s0, Y.s1, acc, M, K, rows, M, !first);
     },
     [&](const tiling::ColSumStep&) {
       // out[1, C] += ones[1, rows] @ X[rows, C]: a reduction product.
@@ -745,14 +808,9 @@ variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, co
   }
   if (refused) return run_untiled(inputs);
   for (std::size_t i = 0; i < steps_.size(); ++i) {
-    if (sums[i].empty() && column_sums[i].empty()) continue;
-    const Value& o = values_[steps_[i].out[0]];
-    at::Tensor& dst = o.storage == Storage::Output ? outputs[std::size_t(o.index)] : reductions[std::size_t(o.index)];
-    T* p = dst.data_ptr<T>();
-    if (!sums[i].empty())
-      std::memcpy(p, sums[i].data(), sums[i].size() * sizeof(T));
-    else
-      for (std::size_t k = 0; k < column_sums[i].size(); ++k) p[k] = static_cast<T>(column_sums[i][k]);
+    if (column_sums[i].empty()) continue;
+    T* p = result_of(i).template data_ptr<T>();
+    for (std::size_t k = 0; k < column_sums[i].size(); ++k) p[k] = static_cast<T>(column_sums[i][k]);
   }
   return variable_list(outputs.begin(), outputs.end());
 }
