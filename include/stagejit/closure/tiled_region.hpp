@@ -542,7 +542,14 @@ variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, co
   const int64_t N = region_.rows;
   const auto options = at::TensorOptions().dtype(region_.dtype).device(at::kCPU);
   // Once per call: the outputs and the scratch buffers.
-  std::vector<at::Tensor> contiguous_b(values_.size());  // dense-row copies of product operands
+  // A product's right operand [K, M] as the GEMM reads it (rows of unit stride): the
+  // input itself, or a dense copy in the scratch allocation below (a transposed weight).
+  struct ProductOperand {
+    const T* data = nullptr;
+    int64_t K = 0, M = 0, s0 = 0;
+  };
+  std::vector<ProductOperand> operand_b(values_.size());
+  c10::SmallVector<std::size_t, 8> transposed_b;  // values whose operand is copied
   auto tensor_of = [&](std::size_t v) -> const at::Tensor& { return in[std::size_t(values_[v].index)]; };
   // Every output and reduction result is allocated once, whole; row outputs are
   // filled tile by tile, reductions at the end.
@@ -569,7 +576,10 @@ variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, co
     }
     if (auto* mm = std::get_if<tiling::RowMmStep>(&st.kind)) {
       const at::Tensor& b = tensor_of(st.in[mm->has_bias ? 2 : 1]);
-      contiguous_b[st.in[mm->has_bias ? 2 : 1]] = b.stride(1) == 1 ? b : b.contiguous();
+      const std::size_t v = st.in[mm->has_bias ? 2 : 1];
+      operand_b[v] = {b.data_ptr<T>(), b.size(0), b.size(1), b.stride(0)};
+      if (b.stride(1) != 1 && b.size(1) > 1 && std::find(transposed_b.begin(), transposed_b.end(), v) == transposed_b.end())
+        transposed_b.push_back(v);
     }
   }
   // Kernels of the fused steps, planned once per region.
@@ -629,6 +639,7 @@ variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, co
     int64_t total = 0;
     for (int64_t c : slot_cols_) total += aligned(tile_ * c * int64_t(sizeof(T)));
     for (const auto& r : requests) total += aligned(tile_ * r.cols * int64_t(r.tensor.element_size()));
+    for (std::size_t v : transposed_b) total += aligned(operand_b[v].K * operand_b[v].M * int64_t(sizeof(T)));
     scratch = at::empty({std::max<int64_t>(total, 1)}, options.dtype(at::kByte));
     char* p = static_cast<char*>(scratch.data_ptr());
     for (int64_t c : slot_cols_) {
@@ -639,6 +650,20 @@ variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, co
       fill_broadcast_block(p, r.tensor, tile_, r.cols);
       *r.slot = p;
       p += aligned(tile_ * r.cols * int64_t(r.tensor.element_size()));
+    }
+    // A transposed weight, copied once per call by a loop where `contiguous()` cost a
+    // dispatch, a tensor and an iterator (3 % of a small Hessian-vector product's staged
+    // step, perf).
+    for (std::size_t v : transposed_b) {
+      ProductOperand& b = operand_b[v];
+      const at::Tensor& src = tensor_of(v);
+      const T* x = src.data_ptr<T>();
+      const int64_t s0 = src.stride(0), s1 = src.stride(1);
+      T* y = reinterpret_cast<T*>(p);
+      for (int64_t k = 0; k < b.K; ++k)
+        for (int64_t m = 0; m < b.M; ++m) y[k * b.M + m] = x[k * s0 + m * s1];
+      b = {y, b.K, b.M, b.M};
+      p += aligned(b.K * b.M * int64_t(sizeof(T)));
     }
   }
 
@@ -704,8 +729,8 @@ variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, co
     [&](const tiling::RowMmStep& mm) {
       const std::size_t a = step->in[mm.has_bias ? 1 : 0], b = step->in[mm.has_bias ? 2 : 1];
       const View A = view(a, r0), O = view(step->out[0], r0);
-      const at::Tensor& B = contiguous_b[b];
-      const int64_t K = B.size(0), M = B.size(1);
+      const ProductOperand& B = operand_b[b];
+      const int64_t K = B.K, M = B.M;
       T* out = reinterpret_cast<T*>(O.data);
       if (mm.has_bias) {  // out = bias, then out += A @ B
         const char* bias = bias_block[i];
@@ -716,7 +741,7 @@ variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, co
             std::memcpy(out + r * O.s0, bias + r * M * int64_t(sizeof(T)), std::size_t(M) * sizeof(T));
       }
       refused = refused || !ops::small_mm_raw(reinterpret_cast<const T*>(A.data), A.s0, A.s1,
-                                              B.data_ptr<T>(), B.stride(0), B.stride(1), out, O.s0,
+                                              B.data, B.s0, 1, out, O.s0,
                                               rows, K, M, mm.has_bias);
     },
     [&](const tiling::ReduceMmStep&) {
