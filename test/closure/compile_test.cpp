@@ -146,6 +146,48 @@ TEST_SUITE("closure") {
     }
   }
 
+  TEST_CASE("dispatch-key guards: user code gets back only the keys stagejit excluded") {
+    // Note [Below libtorch's autograd keys]: AtenAutogradKeys undoes BelowAtenAutograd,
+    // nested either way, and leaves keys a caller excluded itself (InferenceMode, a
+    // libtorch kernel's AutoDispatchBelowADInplaceOrView) excluded.
+    auto excluded = [] { return c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::ADInplaceOrView); };
+    REQUIRE(!excluded());
+    {
+      sj::AtenAutogradKeys user;
+      CHECK(!excluded());
+    }
+    {
+      sj::BelowAtenAutograd stage;
+      CHECK(excluded());
+      {
+        sj::AtenAutogradKeys user;
+        CHECK(!excluded());
+        {
+          sj::BelowAtenAutograd inner;
+          CHECK(excluded());
+        }
+        CHECK(!excluded());
+      }
+      CHECK(excluded());
+      sj::BelowAtenAutograd off(false);
+      CHECK(excluded());
+    }
+    CHECK(!excluded());
+    {
+      at::AutoDispatchBelowADInplaceOrView caller;
+      {
+        sj::AtenAutogradKeys user;
+        CHECK(excluded());
+      }
+      sj::BelowAtenAutograd stage;
+      {
+        sj::AtenAutogradKeys user;
+        CHECK(excluded());
+      }
+    }
+    CHECK(!excluded());
+  }
+
   TEST_CASE("bug log: x^5 at 1 with 2 derivatives gives 5 and 20; with 1, the second throws") {
     auto f2 = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
       return {sj::pow(in[0], 5.0)};

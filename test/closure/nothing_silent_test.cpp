@@ -199,6 +199,25 @@ TEST_CASE("issue 20, item 3: a saved tensor modified in place is refused, as lib
       }
     }
   }
+  SUBCASE("compiled: a gradient passed through unchanged shares its seed's version counter") {
+    // d(x + w)/dx is the seed itself: the backward stage returns its input, as an alias
+    // (made inside the stage, below libtorch's ADInplaceOrView kernel when delivered
+    // early); an in-place change of the seed is seen through it.
+    auto f = sj::compile([](const sj::variable_list& in) -> sj::variable_list {
+      return {sj::add(in[0], in[1])};
+    }, {.derivatives = 1});
+    for (int call = 0; call < 2; ++call) {
+      CAPTURE(call);
+      sj::Variable x(xd.clone(), true), w(wd.clone());
+      auto y = f({x, w})[0];
+      const at::Tensor seed = at::randn({3}, at::kDouble);
+      auto g = sj::grad({y}, {x}, {sj::Variable(seed)})[0];
+      CHECK(max_abs_diff(g.data(), seed) == 0.0);
+      const auto before = g.data()._version();
+      seed.add_(1);
+      CHECK(g.data()._version() == before + 1);
+    }
+  }
   SUBCASE("compiled: a value captured for a later stage, at orders 1 and 2, fused or not") {
     for (bool fuse : {true, false}) {
       CAPTURE(fuse);

@@ -602,9 +602,13 @@ class StageCall final : public ClosureImpl {
   /// (`t_`, `resize_`, `as_strided_`) do not reach the caller's tensor, while data
   /// written in place does, as through any view.
   static at::Tensor alias_if_input(at::Tensor out, const std::vector<const c10::TensorImpl*>& inputs) {
-    return std::binary_search(inputs.begin(), inputs.end(), out.unsafeGetTensorImpl())
-               ? at::alias(out)
-               : out;
+    if (!std::binary_search(inputs.begin(), inputs.end(), out.unsafeGetTensorImpl())) return out;
+    at::Tensor alias = at::alias(out);
+    // An early output is aliased inside the stage, below libtorch's ADInplaceOrView kernel
+    // (Note [Below libtorch's autograd keys]): it shares `out`'s version counter as that
+    // kernel would make it, so a later in-place change of `out` is seen through it.
+    share_version_counter_with_base(alias, {out});
+    return alias;
   }
 
   /// The grad_fn of this call's outputs: the call of the next stage, whose next_functions

@@ -578,7 +578,7 @@ variable_list TiledRegionRunner::run_tiled(const std::vector<at::Tensor>& in, co
       const at::Tensor& b = tensor_of(st.in[mm->has_bias ? 2 : 1]);
       const std::size_t v = st.in[mm->has_bias ? 2 : 1];
       operand_b[v] = {b.data_ptr<T>(), b.size(0), b.size(1), b.stride(0)};
-      if (b.stride(1) != 1 && b.size(1) > 1 && std::find(transposed_b.begin(), transposed_b.end(), v) == transposed_b.end())
+      if (b.stride(1) != 1 && std::find(transposed_b.begin(), transposed_b.end(), v) == transposed_b.end())
         transposed_b.push_back(v);
     }
   }

@@ -14,8 +14,11 @@
 /// Hessian-vector product, a MAML step or a critic ran 6-8 % faster (bench/higher_order.md,
 /// session of 2026-12-07 19:06).
 /// User code that runs inside a compiled stage or the engine (a `HostFunction`'s forward
-/// and backward) gets the keys back (`AtenAutogradKeys`), so a host function that uses
-/// libtorch's autograd on its own tensors records as it would eagerly.
+/// and backward) gets back the keys stagejit excluded (`AtenAutogradKeys`), so a host
+/// function that uses libtorch's autograd on its own tensors records as it would eagerly;
+/// keys excluded by the caller (`c10::InferenceMode`, a libtorch kernel) stay excluded.
+/// Views made below the keys share their base's version counter by hand
+/// (`share_version_counter_with_base`), as libtorch's ADInplaceOrView kernels make them.
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
@@ -26,35 +29,58 @@
 
 namespace stagejit {
 
+namespace detail {
+// The dispatch keys the live `BelowAtenAutograd` scopes of this thread excluded (those
+// that were not excluded already): what `AtenAutogradKeys` gives back.
+inline c10::DispatchKeySet& keys_excluded_by_stagejit() noexcept {
+  thread_local c10::DispatchKeySet keys;
+  return keys;
+}
+}  // namespace detail
+
 /// RAII: while alive, ATen calls on this thread skip libtorch's Autograd and
 /// ADInplaceOrView kernels when `enabled` (Note [Below libtorch's autograd keys]); does
 /// nothing otherwise.
 class BelowAtenAutograd {
  public:
   explicit BelowAtenAutograd(bool enabled = true)
-      : guard_(enabled ? c10::autograd_dispatch_keyset_with_ADInplaceOrView : c10::DispatchKeySet()) {}
+      : added_(enabled ? c10::autograd_dispatch_keyset_with_ADInplaceOrView -
+                             c10::impl::tls_local_dispatch_key_set().excluded_
+                       : c10::DispatchKeySet()),
+        saved_(detail::keys_excluded_by_stagejit()),
+        guard_(added_) {
+    detail::keys_excluded_by_stagejit() = saved_ | added_;
+  }
+  ~BelowAtenAutograd() { detail::keys_excluded_by_stagejit() = saved_; }
   BelowAtenAutograd(const BelowAtenAutograd&) = delete;
   BelowAtenAutograd& operator=(const BelowAtenAutograd&) = delete;
 
  private:
+  c10::DispatchKeySet added_;  // the keys this scope excluded
+  c10::DispatchKeySet saved_;  // keys_excluded_by_stagejit() before it
   c10::impl::ExcludeDispatchKeyGuard guard_;
 };
 
-/// RAII: while alive, libtorch's Autograd and ADInplaceOrView keys are dispatched again on
-/// this thread, for user code run from below them (Note [Below libtorch's autograd keys]).
-/// The rest of the thread's dispatch key set is kept; the whole set is restored after.
+/// RAII: while alive, the keys the live `BelowAtenAutograd` scopes of this thread excluded
+/// are dispatched again, for user code run from below them (Note [Below libtorch's
+/// autograd keys]); nothing else of the thread's dispatch key set changes, and the whole
+/// set is restored after. Outside such scopes it changes nothing.
 class AtenAutogradKeys {
  public:
-  AtenAutogradKeys() : guard_(with_autograd()) {}
+  AtenAutogradKeys() : saved_(detail::keys_excluded_by_stagejit()), guard_(given_back(saved_)) {
+    detail::keys_excluded_by_stagejit() = c10::DispatchKeySet();
+  }
+  ~AtenAutogradKeys() { detail::keys_excluded_by_stagejit() = saved_; }
   AtenAutogradKeys(const AtenAutogradKeys&) = delete;
   AtenAutogradKeys& operator=(const AtenAutogradKeys&) = delete;
 
  private:
-  static c10::impl::LocalDispatchKeySet with_autograd() {
+  static c10::impl::LocalDispatchKeySet given_back(c10::DispatchKeySet keys_of_stagejit) {
     c10::impl::LocalDispatchKeySet keys = c10::impl::tls_local_dispatch_key_set();
-    keys.excluded_ = keys.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
+    keys.excluded_ = keys.excluded_ - keys_of_stagejit;
     return keys;
   }
+  c10::DispatchKeySet saved_;  // keys_excluded_by_stagejit() before it
   c10::impl::ForceDispatchKeyGuard guard_;
 };
 
