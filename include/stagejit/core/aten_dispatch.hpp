@@ -11,7 +11,7 @@
 /// way (`at::AutoDispatchBelowADInplaceOrView`). stagejit's eager ops run below the keys
 /// (`ops::run_forward`), and so does every Function of a compiled stage (`StageCall`,
 /// `ExecuteOptions::below_aten_autograd`): at the tests' sizes a staged step of an MLP's
-/// Hessian-vector product, a MAML step or a critic ran 6-8 % faster (bench/higher_order.md,
+/// Hessian-vector product, a MAML step or a critic ran 5-9 % faster (bench/higher_order.md,
 /// session of 2026-12-07 19:06).
 /// User code that runs inside a compiled stage or the engine (a `HostFunction`'s forward
 /// and backward) gets back the keys stagejit excluded (`AtenAutogradKeys`), so a host
