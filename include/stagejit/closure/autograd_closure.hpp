@@ -55,6 +55,7 @@
 #include <stagejit/autograd/engine.hpp>
 #include <stagejit/autograd/function.hpp>
 #include <stagejit/autograd/grad_mode.hpp>
+#include <stagejit/closure/anticipate.hpp>
 #include <stagejit/closure/plan.hpp>
 #include <stagejit/closure/specialize.hpp>
 #include <stagejit/closure/stage_closure.hpp>
@@ -78,6 +79,8 @@
 #include <vector>
 
 namespace stagejit::closure {
+
+struct ChainLog;
 
 /// Everything a call needs that does not change between calls.
 struct MultiStageClosure {
@@ -114,6 +117,33 @@ struct MultiStageClosure {
   /// Per output of the last stage: whether it is the gradient of an input of stage k-1
   /// (a sibling's own, which the copies leave to the chain's call).
   std::vector<char> joint_sibling_own;
+  /// Note [Anticipated stages]: the last stage a forward call may run ahead (0: none),
+  /// and whether it does (`CompileOptions::anticipate_stages`).
+  std::size_t anticipate_max = 0;
+  bool anticipate = false;
+
+  /// Note [Anticipated stages]: what the calls of stages 1..m of a chain were fed, and the
+  /// anticipated graph for it (built on first use by `anticipated_closure`).
+  struct AnticipationPattern {
+    std::size_t m = 0;
+    std::vector<variable_list> seeds;       ///< [t-1]: copies of the inputs stage t was fed
+    std::vector<std::vector<char>> needed;  ///< [t-1]: the outputs its call needed
+    std::vector<char> grad_mode;            ///< [t-1]: whether its call was in grad mode
+    mutable std::once_flag once;
+    mutable std::shared_ptr<const MultiStageClosure> graph_closure;  ///< null: cannot be built
+    mutable AnticipatedLayout layout;
+    /// [t-1]: what a call of stage t checks the version of, as it would its saved values:
+    /// (-1, i) input i of stage 0, (s, j) output j of stage s < t.
+    mutable std::vector<std::vector<std::pair<std::ptrdiff_t, std::size_t>>> checks;
+  };
+  /// Counts of Note [Anticipated stages], for tests and benches.
+  struct AnticipationStats {
+    std::size_t chains = 0;       ///< chains of calls that ended
+    std::size_t anticipated = 0;  ///< of them, chains whose forward ran stages ahead
+    std::size_t hits = 0;         ///< stage calls served by an anticipated run
+    std::size_t misses = 0;       ///< anticipated chains not served in full
+    bool disabled = false;        ///< off after too many misses or a failed build
+  };
 
   /// Builds every stage's closure. `graph` is the optimised graph of `trace` (same
   /// inputs and outputs). Throws `CompileError` (see StageClosure).
@@ -139,12 +169,20 @@ struct MultiStageClosure {
       for (std::size_t gi : gradient_of.at(k))
         joint_sibling_own.push_back(gi < graph->inputs().size() && graph->inputs()[gi]->stage() + 1 == k);
     }
+    // Note [Anticipated stages]: never the last stage of a chain that has a joint stage
+    // (its call hosts the joint backward, which reads its environment).
+    if (!cross_stage && stages.size() >= 2) {
+      const std::size_t k = stages.size() - 1;
+      anticipate_max = max_anticipated_stage(*graph, plan, joint_stage != 0 ? k - 1 : k);
+    }
   }
 
   /// Builds every stage's closure of a graph that did not come from a trace (parsed IR
-  /// text): without the trace's flags its outputs get no grad_fn, so the stages are run
-  /// one after another with `run_stages`. Throws `CompileError` (see StageClosure).
-  explicit MultiStageClosure(std::shared_ptr<ir::Graph> g) : graph(std::move(g)), plan(*graph) {
+  /// text, an anticipated graph): without the trace's flags its outputs get no grad_fn,
+  /// so the stages are run one after another with `run_stages`. `tile_rows` as above.
+  /// Throws `CompileError` (see StageClosure).
+  explicit MultiStageClosure(std::shared_ptr<ir::Graph> g, int64_t tile_rows = 0)
+      : graph(std::move(g)), plan(*graph), tile_rows_(tile_rows) {
     build_stages();
   }
 
@@ -204,8 +242,77 @@ struct MultiStageClosure {
   /// True when built from a Trace (outputs of a call get the next stage as grad_fn).
   bool linked() const noexcept { return flags.size() == stages.size(); }
 
+  /// Note [Anticipated stages]: the pattern a forward call runs ahead now (null: none);
+  /// `current` gets the pattern chains are compared with (armed or not).
+  std::shared_ptr<const AnticipationPattern> armed_pattern(std::shared_ptr<const AnticipationPattern>* current) const {
+    std::lock_guard<std::mutex> lock(anticipation_mutex_);
+    if (current) *current = pattern_;
+    if (!anticipate || stats_.disabled || !pattern_ || streak_ < 2) return nullptr;
+    return pattern_;
+  }
+
+  /// The closure of `p`'s anticipated graph, built on first use; null when it cannot be
+  /// built (anticipation is then off for this closure).
+  const MultiStageClosure* anticipated_closure(const AnticipationPattern& p) const {
+    std::call_once(p.once, [&] {
+      try {
+        AnticipatedLayout layout;
+        std::vector<std::vector<char>> defined;
+        for (const auto& seeds : p.seeds) {
+          defined.emplace_back();
+          for (const auto& v : seeds) defined.back().push_back(v.defined() ? 1 : 0);
+        }
+        auto g = build_anticipated_graph(*graph, plan, p.m, p.needed, defined, p.grad_mode.at(p.m - 1) != 0, layout);
+        std::shared_ptr<MultiStageClosure> c;
+        {
+          fusion::KernelBatchScope kernels;  // compiled together
+          c = std::make_shared<MultiStageClosure>(g, tile_rows_);
+        }
+        c->cache_host_memory = cache_host_memory;
+        c->inter_op_parallel = inter_op_parallel;
+        p.checks.assign(p.m, {});
+        for (std::size_t t = 1; t <= p.m; ++t)
+          for (std::size_t slot : stages.at(t).prev_slots) {
+            const ir::Value* v = plan.slot_value(slot);
+            const std::size_t s = v->stage();
+            if (v->node()->is<ir::Param>()) {
+              const auto& ins = plan.stage_inputs(s);
+              for (std::size_t i = 0; s == 0 && i < ins.size(); ++i)
+                if (ins[i] == v) p.checks[t - 1].emplace_back(-1, i);
+              continue;
+            }
+            const auto& outs = plan.stage_outputs(s);
+            for (std::size_t j = 0; j < outs.size(); ++j)
+              if (outs[j] == v) p.checks[t - 1].emplace_back(static_cast<std::ptrdiff_t>(s), j);
+          }
+        p.layout = std::move(layout);
+        p.graph_closure = std::move(c);
+      } catch (...) {
+        p.graph_closure = nullptr;  // the stages run one by one, as without
+      }
+    });
+    if (!p.graph_closure) {
+      std::lock_guard<std::mutex> lock(anticipation_mutex_);
+      stats_.disabled = true;
+    }
+    return p.graph_closure.get();
+  }
+
+  /// Note [Anticipated stages]: takes what a chain of calls was fed when it ends.
+  inline void observe_chain(const ChainLog& log) const;
+
+  /// Note [Anticipated stages]: counts so far.
+  AnticipationStats anticipation_stats() const {
+    std::lock_guard<std::mutex> lock(anticipation_mutex_);
+    return stats_;
+  }
+
  private:
   int64_t tile_rows_ = 0;  // CompileOptions::tile_rows
+  mutable std::mutex anticipation_mutex_;
+  mutable std::shared_ptr<const AnticipationPattern> pattern_;
+  mutable int streak_ = 0;  // chains in a row that confirmed pattern_
+  mutable AnticipationStats stats_;
   mutable std::mutex variants_mutex_;
   mutable std::unordered_map<StageVariantKey, std::shared_ptr<const StageVariant>, StageVariantKeyHash>
       variants_;
@@ -234,6 +341,119 @@ struct MultiStageClosure {
       joint_siblings_ok = ok;  // else siblings run their stage alone
     }
   }
+};
+
+/// Note [Anticipated stages]: what the calls of one chain (a forward call and the calls
+/// of later stages its outputs lead to) were fed; held by each of them, it reports to
+/// the closure when the last is freed.
+struct ChainLog {
+  struct Call {
+    variable_list seeds;
+    std::vector<char> needed;
+    bool grad_mode = false;
+    bool seeds_ok = false;  ///< every defined seed on the CPU
+    bool matched = false;   ///< equal to the pattern the chain started with
+    int count = 0;          ///< calls of this stage in the chain
+  };
+  std::shared_ptr<const MultiStageClosure> desc;
+  /// The pattern when the chain started (the one its forward ran ahead, if it did).
+  std::shared_ptr<const MultiStageClosure::AnticipationPattern> against;
+  std::mutex mutex;
+  std::vector<Call> calls;       ///< [t-1]
+  std::size_t anticipated = 0;   ///< the forward ran stages 1..anticipated ahead (0: not)
+  std::size_t hits = 0;          ///< of them, calls served
+
+  ChainLog(std::shared_ptr<const MultiStageClosure> d, std::shared_ptr<const MultiStageClosure::AnticipationPattern> p)
+      : desc(std::move(d)), against(std::move(p)) {}
+  ChainLog(const ChainLog&) = delete;
+  ChainLog& operator=(const ChainLog&) = delete;
+  ~ChainLog() {
+    try {
+      desc->observe_chain(*this);
+    } catch (...) {
+      // an observation lost (out of memory copying seeds): the pattern waits for the next
+    }
+  }
+
+  /// Records a call of stage `t` >= 1. True when it is the chain's first call of that
+  /// stage and matches `against` (same seeds bit for bit, needed outputs and grad mode).
+  bool record(std::size_t t, const variable_list& inputs, const std::vector<char>& needed, bool grad_mode) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (calls.size() < t) calls.resize(t);
+    Call& c = calls[t - 1];
+    if (++c.count > 1) return false;
+    // Their tensors only: a seed's graph may lead back to the calls that hold this log.
+    c.seeds.clear();
+    for (const auto& v : inputs) c.seeds.push_back(v.defined() ? Variable(v.data()) : Variable());
+    c.needed = needed;
+    c.grad_mode = grad_mode;
+    c.seeds_ok = true;
+    for (const auto& v : inputs) c.seeds_ok = c.seeds_ok && (!v.defined() || v.data().device().is_cpu());
+    const auto* p = against.get();
+    c.matched = c.seeds_ok && p && t <= p->m && p->needed[t - 1] == needed && (p->grad_mode[t - 1] != 0) == grad_mode &&
+                p->seeds[t - 1].size() == inputs.size();
+    for (std::size_t i = 0; c.matched && i < inputs.size(); ++i)
+      c.matched = same_bits(inputs[i].data(), p->seeds[t - 1][i].data());
+    return c.matched;
+  }
+};
+
+inline void MultiStageClosure::observe_chain(const ChainLog& log) const {
+  // The longest run of stages 1..m each called once, defined seeds on the CPU (a stage called
+  // outside grad mode ends it: nothing later follows from its call).
+  std::size_t m = 0;
+  for (std::size_t t = 1; t <= anticipate_max && t <= log.calls.size(); ++t) {
+    const ChainLog::Call& c = log.calls[t - 1];
+    if (c.count != 1 || !c.seeds_ok) break;
+    m = t;
+    if (!c.grad_mode) break;
+  }
+  bool same = m > 0;
+  for (std::size_t t = 1; same && t <= m; ++t) same = log.calls[t - 1].matched;
+  std::shared_ptr<AnticipationPattern> fresh;
+  if (m > 0 && !same) {
+    fresh = std::make_shared<AnticipationPattern>();
+    fresh->m = m;
+    for (std::size_t t = 1; t <= m; ++t) {
+      const ChainLog::Call& c = log.calls[t - 1];
+      variable_list copies;
+      for (const auto& v : c.seeds)
+        copies.emplace_back(v.defined() ? Variable(v.data().clone(at::MemoryFormat::Contiguous)) : Variable());
+      fresh->seeds.push_back(std::move(copies));
+      fresh->needed.push_back(c.needed);
+      fresh->grad_mode.push_back(c.grad_mode ? 1 : 0);
+    }
+  }
+  std::lock_guard<std::mutex> lock(anticipation_mutex_);
+  ++stats_.chains;
+  stats_.hits += log.hits;
+  if (log.anticipated > 0) {
+    ++stats_.anticipated;
+    if (log.hits < log.anticipated && ++stats_.misses >= 3) stats_.disabled = true;
+  }
+  if (m == 0) {
+    streak_ = 0;
+  } else if (same && log.against == pattern_) {
+    ++streak_;
+  } else if (same) {
+    pattern_ = log.against;  // matched a pattern another chain has replaced since
+    streak_ = 1;
+  } else {
+    pattern_ = std::move(fresh);
+    streak_ = 1;
+  }
+}
+
+/// Note [Anticipated stages]: what a forward call ran ahead, held by the chain's calls of
+/// stages 1..m.
+struct AnticipatedRun {
+  std::shared_ptr<const MultiStageClosure::AnticipationPattern> pattern;
+  variable_list inputs0;            ///< the forward's inputs (their tensors)
+  std::vector<int64_t> versions0;   ///< their versions then (-1: none)
+  variable_list outputs;            ///< the anticipated graph's outputs
+  std::mutex mutex;
+  /// [s][j]: output j of stage s as returned to the caller, and its version then.
+  std::vector<std::vector<std::pair<at::Tensor, int64_t>>> returned;
 };
 
 /// Runs stage `stage` of a MultiStageClosure for one call; see the file comment.
@@ -346,6 +566,7 @@ class StageCall final : public ClosureImpl {
         const std::size_t m = k + c;
         const auto* fn = members[m] ? std::get_if<ClosureFunction>(&members[m]->kind) : nullptr;
         sib = fn ? dynamic_cast<const StageCall*>(fn->impl.get()) : nullptr;
+        if (sib) sib->ensure_env();
         STAGEJIT_CHECK(sib && sib->desc_ == desc_ && sib->stage_ == stage_, "compiled stage ", stage_,
                        ": joint backward sibling ", c, " is not a call of this stage");
         STAGEJIT_CHECK(inputs[m].empty() || inputs[m].size() == d.joint_siblings.gradients, "compiled stage ",
@@ -368,6 +589,7 @@ class StageCall final : public ClosureImpl {
       }
     }
     if (joint_inputs.size() != d.plan.stage_inputs(J).size()) return std::nullopt;
+    ensure_env();
     std::vector<char> mask = needed[k - 1];
     mask.resize(d.joint_siblings.copies > 0 ? d.joint_siblings.outputs : d.plan.stage_outputs(J).size(), 1);
     mask.resize(d.plan.stage_outputs(J).size(), 0);  // the tie outputs: never
@@ -533,8 +755,28 @@ class StageCall final : public ClosureImpl {
     std::vector<char> needed = needed_mask;
     needed.resize(d.plan.stage_outputs(stage_).size(), 1);
     const bool captures = !d.linked() || (GradMode::is_enabled() && stage_ + 1 < d.num_stages());
+    // Note [Anticipated stages]: a forward call may run stages ahead (`pack` then holds
+    // them for the chain), a later call may be served by that run.
+    std::shared_ptr<ChainLog> log = log_;
+    std::shared_ptr<AnticipatedRun> pack;
+    bool served = false;
+    if (stage_ == 0) {
+      served = run_ahead(inputs, needed, state, log, pack);
+    } else {
+      const bool first_match = log && log->record(stage_, inputs, needed, GradMode::is_enabled());
+      if (pack_ && first_match && !pack_used_.exchange(true)) {
+        served = serve_from_run(state);
+        if (served) {
+          pack = pack_;
+          std::lock_guard<std::mutex> lock(log->mutex);
+          ++log->hits;
+        }
+      }
+      if (!served) ensure_env();
+    }
     // The tensors the call was fed (its inputs and the earlier-stage values it was primed
-    // with), sorted, for `alias_if_input`.
+    // with; for a call served by a run ahead, the forward's inputs), sorted, for
+    // `alias_if_input`.
     std::vector<const c10::TensorImpl*> input_impls;
     input_impls.reserve(inputs.size() + d.stages[stage_].prev_slots.size());
     for (const auto& in : inputs)
@@ -542,14 +784,19 @@ class StageCall final : public ClosureImpl {
     for (std::size_t slot : d.stages[stage_].prev_slots)
       if (slot < env_values_.size() && env_values_[slot].defined())
         input_impls.push_back(env_values_[slot].data().unsafeGetTensorImpl());
+    if (pack)
+      for (const auto& in : pack->inputs0)
+        if (in.defined()) input_impls.push_back(in.data().unsafeGetTensorImpl());
     std::sort(input_impls.begin(), input_impls.end());
-    if (early && !(GradMode::is_enabled() && d.linked())) {
-      state.early_outputs = [&early, &input_impls](std::size_t i, Variable v) {
-        early(i, v.defined() ? Variable(alias_if_input(v.data(), input_impls)) : Variable());
-      };
+    if (!served) {
+      if (early && !(GradMode::is_enabled() && d.linked())) {
+        state.early_outputs = [&early, &input_impls](std::size_t i, Variable v) {
+          early(i, v.defined() ? Variable(alias_if_input(v.data(), input_impls)) : Variable());
+        };
+      }
+      run(inputs, state, &needed, captures);
+      state.early_outputs = nullptr;
     }
-    run(inputs, state, &needed, captures);
-    state.early_outputs = nullptr;
     variable_list outs = std::move(state.outputs);
 
     // Edges of every graph input up to this stage, for the next stage's outputs.
@@ -570,7 +817,7 @@ class StageCall final : public ClosureImpl {
     if (GradMode::is_enabled() && d.linked()) {
       bool any = false;
       for (std::size_t i = 0; i < outs.size(); ++i) any = any || (wants[i] && outs[i].defined());
-      if (any) grad_fn = make_next(state, edges);
+      if (any) grad_fn = make_next(state, edges, log, pack);
     }
     variable_list result;
     result.reserve(outs.size());
@@ -590,10 +837,137 @@ class StageCall final : public ClosureImpl {
       }
       if (rg) ++next_input;
     }
+    if (pack && stage_ < pack->pattern->m) {
+      // What a later call of the chain checks the version of (Note [Anticipated stages]).
+      std::lock_guard<std::mutex> lock(pack->mutex);
+      auto& kept = pack->returned.at(stage_);
+      kept.assign(result.size(), {});
+      for (std::size_t j = 0; j < result.size(); ++j)
+        if (result[j].defined()) kept[j] = {result[j].data(), version_of(result[j])};
+    }
     return result;
   }
 
  private:
+  /// Note [Anticipated stages]: for a forward call in grad mode, starts the chain's log
+  /// and, when the closure's pattern is armed, runs stages 0..m as one graph, filling
+  /// `state` as the stage would (its outputs; nothing captured: the calls of stages 1..m
+  /// take what they need from `pack`). Returns true when it ran.
+  bool run_ahead(const variable_list& inputs, const std::vector<char>& needed, CallState& state,
+                 std::shared_ptr<ChainLog>& log, std::shared_ptr<AnticipatedRun>& pack) const {
+    const auto& d = *desc_;
+    if (!d.anticipate || d.anticipate_max == 0 || !d.linked() || !d.specialize || !GradMode::is_enabled())
+      return false;
+    for (char c : needed)
+      if (!c) return false;
+    std::shared_ptr<const MultiStageClosure::AnticipationPattern> current;
+    auto armed = d.armed_pattern(&current);
+    log = std::make_shared<ChainLog>(desc_, current);
+    if (!armed) return false;
+    for (const auto& in : inputs)
+      if (in.defined() && !in.data().device().is_cpu()) return false;
+    if (!d.anticipated_closure(*armed)) return false;
+    variable_list all = inputs;
+    for (const auto& seeds : armed->seeds) all.insert(all.end(), seeds.begin(), seeds.end());
+    auto run = std::make_shared<AnticipatedRun>();
+    run->pattern = armed;
+    {
+      StageCall call(armed->graph_closure, 0, {}, {}, {});
+      CallState st;
+      call.run(all, st);
+      run->outputs = std::move(st.outputs);
+    }
+    for (const auto& in : inputs) {
+      run->inputs0.push_back(in.defined() ? Variable(in.data()) : Variable());  // no autograd record kept
+      run->versions0.push_back(version_of(in));
+    }
+    run->returned.resize(armed->m + 1);
+    state.outputs.clear();
+    for (std::ptrdiff_t idx : armed->layout.stage_outputs.at(0))
+      state.outputs.push_back(idx >= 0 ? run->outputs.at(static_cast<std::size_t>(idx)) : Variable());
+    state.values.assign(d.plan.num_slots(), Variable());
+    state.handles.assign(d.plan.num_slots(), nullptr);
+    log->anticipated = armed->m;
+    pack = std::move(run);
+    return true;
+  }
+
+  /// Note [Anticipated stages]: serves this call (stage t of 1..m, its seeds matched) from
+  /// the run ahead: checks the versions of what the stage would read saved (throws as
+  /// `check_version`), fills `state` with the stage's outputs and, at stage m, the values
+  /// the next call is primed with. Returns true.
+  bool serve_from_run(CallState& state) const {
+    const auto& d = *desc_;
+    const auto& P = *pack_->pattern;
+    const std::size_t t = stage_;
+    for (const auto& [s, j] : P.checks.at(t - 1)) {
+      at::Tensor tensor;
+      int64_t saved = -1;
+      if (s < 0) {
+        if (j < pack_->inputs0.size() && pack_->inputs0[j].defined()) {
+          tensor = pack_->inputs0[j].data();
+          saved = pack_->versions0.at(j);
+        }
+      } else {
+        std::lock_guard<std::mutex> lock(pack_->mutex);
+        const auto& kept = pack_->returned.at(static_cast<std::size_t>(s));
+        if (j < kept.size()) std::tie(tensor, saved) = kept[j];
+      }
+      if (!tensor.defined() || saved < 0 || tensor.is_inference()) continue;
+      const auto now = static_cast<int64_t>(tensor._version());
+      if (now != saved)
+        throw_modified(s < 0 ? d.plan.stage_inputs(0).at(j) : d.plan.stage_outputs(static_cast<std::size_t>(s)).at(j),
+                       tensor, now, saved);
+    }
+    const auto& L = P.layout;
+    state.outputs.clear();
+    for (std::ptrdiff_t idx : L.stage_outputs.at(t))
+      state.outputs.push_back(idx >= 0 ? pack_->outputs.at(static_cast<std::size_t>(idx)) : Variable());
+    state.values.assign(d.plan.num_slots(), Variable());
+    state.handles.assign(d.plan.num_slots(), nullptr);
+    if (t == P.m)
+      for (const auto& src : L.primed) {
+        Variable v;
+        if (src.kind == 0) v = pack_->outputs.at(src.index);
+        else if (src.kind == 1) v = pack_->inputs0.at(src.index).defined() ? Variable(pack_->inputs0[src.index].data()) : Variable();
+        else v = P.seeds.at(src.stage - 1).at(src.index);
+        state.values.at(src.slot) = std::move(v);
+      }
+    return true;
+  }
+
+  /// Note [Anticipated stages]: a call primed by a run ahead that must run its stage after
+  /// all (a miss, a second application, a joint backward) first gets the environment the
+  /// chain's calls would have left it: stages 0..t-1 run again, once, from the forward's
+  /// inputs and the seeds its chain was fed. Throws `Error` when an input of the forward
+  /// was modified in place since. No-op for every other call.
+  void ensure_env() const {
+    if (!pack_) return;
+    std::call_once(env_once_, [this] {
+      const auto& d = *desc_;
+      for (std::size_t i = 0; i < pack_->inputs0.size(); ++i) {
+        const Variable& in = pack_->inputs0[i];
+        const int64_t saved = i < pack_->versions0.size() ? pack_->versions0[i] : -1;
+        if (!in.defined() || saved < 0) continue;
+        const int64_t now = version_of(in);
+        if (now != saved) throw_modified(d.plan.stage_inputs(0).at(i), in.data(), now, saved);
+      }
+      auto call = std::make_shared<StageCall>(desc_, 0, std::vector<Variable>{}, std::vector<std::shared_ptr<Function>>{},
+                                              std::vector<Edge>{});
+      auto state = std::make_unique<CallState>();
+      call->run(pack_->inputs0, *state);
+      for (std::size_t s = 1; s < stage_; ++s) {
+        call = call->next_call(*state);
+        state = std::make_unique<CallState>();
+        call->run(pack_->pattern->seeds.at(s - 1), *state);
+      }
+      std::shared_ptr<StageCall> mine = call->next_call(*state);
+      env_values_ = std::move(mine->env_values_);
+      env_handles_ = std::move(mine->env_handles_);
+      env_versions_ = std::move(mine->env_versions_);
+    });
+  }
+
   /// `out`, or a view of it (`at::alias`: same storage, sizes and strides, its own
   /// TensorImpl) when `out` is the very tensor of something the call was fed (`inputs`:
   /// their TensorImpls, sorted). A stage can return an input unchanged once passes have
@@ -616,7 +990,9 @@ class StageCall final : public ClosureImpl {
   /// its cross-stage gradients (Note [Cross-stage gradients] in trace/trace.hpp), the
   /// gradient inputs of the earlier calls of this chain that differentiate the values'
   /// producers. Null when no edge leads anywhere.
-  std::shared_ptr<Function> make_next(CallState& state, const std::vector<Edge>& edges) {
+  std::shared_ptr<Function> make_next(CallState& state, const std::vector<Edge>& edges,
+                                      const std::shared_ptr<ChainLog>& log = nullptr,
+                                      const std::shared_ptr<AnticipatedRun>& pack = nullptr) {
     const auto& d = *desc_;
     const std::size_t next = stage_ + 1;
     if (next >= d.num_stages()) {
@@ -667,6 +1043,8 @@ class StageCall final : public ClosureImpl {
     auto [values, handles, versions] = primed(state);
     auto impl = std::make_shared<StageCall>(desc_, next, std::move(values), std::move(handles), edges,
                                             std::move(versions));
+    impl->log_ = log;
+    if (pack && next <= pack->pattern->m) impl->pack_ = pack;
     const auto num_grads = static_cast<uint32_t>(d.flags[next].inputs.size());
     auto fn = make_function(ClosureFunction{impl}, std::move(next_edges), num_grads);
     if (d.joint_stage != 0 && next + 1 == d.joint_stage) impl->parent_token_ = token_;  // Note [Joint siblings]
@@ -714,9 +1092,12 @@ class StageCall final : public ClosureImpl {
     if (saved < 0) return;
     const int64_t now = version_of(env_values_[slot]);
     if (now == saved) return;
-    const auto& d = *desc_;
-    const ir::Value* v = d.plan.slot_value(slot);
-    const at::Tensor& t = env_values_[slot].data();
+    throw_modified(desc_->plan.slot_value(slot), env_values_[slot].data(), now, saved);
+  }
+
+  /// Throws the `Error` of `check_version` for value `v` of the graph, whose tensor `t`
+  /// is at version `now` where `saved` was expected.
+  [[noreturn]] void throw_modified(const ir::Value* v, const at::Tensor& t, int64_t now, int64_t saved) const {
     ::stagejit::detail::throw_error<Error>(
         "compiled stage ", stage_, ": one of the variables needed for gradient computation has been "
         "modified by an inplace operation: ", ir::value_label(v),
@@ -727,10 +1108,18 @@ class StageCall final : public ClosureImpl {
 
   std::shared_ptr<const MultiStageClosure> desc_;
   std::size_t stage_;
-  std::vector<Variable> env_values_;
-  std::vector<std::shared_ptr<Function>> env_handles_;
+  // Mutable: a call served by a run ahead is primed with nothing; `ensure_env` fills
+  // them once when it must run its stage after all (Note [Anticipated stages]).
+  mutable std::vector<Variable> env_values_;
+  mutable std::vector<std::shared_ptr<Function>> env_handles_;
   std::vector<Edge> input_edges_;
-  std::vector<int64_t> env_versions_;  ///< per slot: the env value's version when captured, or -1
+  mutable std::vector<int64_t> env_versions_;  ///< per slot: the env value's version when captured, or -1
+  /// Note [Anticipated stages]: the chain's log, what its forward ran ahead (null: nothing
+  /// for this call), whether a call took it, and the one rebuild of the environment.
+  std::shared_ptr<ChainLog> log_;
+  std::shared_ptr<AnticipatedRun> pack_;
+  std::atomic<bool> pack_used_{false};
+  mutable std::once_flag env_once_;
   /// Per stage t >= 1: the Function of stage t of this chain of calls (the grad_fn an
   /// earlier call made), where cross-stage gradients of stage t-1's values go, and the
   /// members of a joint backward (Note [Joint backward]). Weak: a later call's

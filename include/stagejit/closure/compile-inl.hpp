@@ -339,6 +339,7 @@ STAGEJIT_FUNC std::shared_ptr<const closure::MultiStageClosure> CompiledFunction
   msc->inter_op_parallel = o.inter_op_parallel;
   msc->cache_host_memory = state_->cache_host_memory;
   msc->specialize = o.specialize;
+  msc->anticipate = o.anticipate_stages && o.specialize && closure::anticipation_enabled_by_environment();
   std::lock_guard<std::mutex> lock(state_->mutex);
   auto [it, inserted] = state_->cache.emplace(std::move(spec), std::move(msc));
   return it->second;

@@ -109,6 +109,14 @@ struct CompileOptions {
   /// rematerialisation]). Not where cross-stage gradients are on, whose stages hand on
   /// the gradients of exactly the values they read.
   bool rematerialize = true;
+  /// With `specialize`: once two chains of calls in a row fed the backward stages 1..m
+  /// the same seeds (a PINN's `ones_like(u)`, a critic's `grad(D, x)` seed), a forward
+  /// call in grad mode runs stages 0..m as one fused graph and the calls of stages 1..m
+  /// return what it computed, after checking their seeds bit for bit; any other call runs
+  /// its stage as before (Note [Anticipated stages] in closure/anticipate.hpp). Not for
+  /// stages with random or in-place ops or host functions, nor off the CPU. The
+  /// environment variable STAGEJIT_ANTICIPATE=0 turns it off too.
+  bool anticipate_stages = true;
   /// Trace on meta tensors (ATen's shape-only device: no data, no arithmetic) with the
   /// inputs' sizes, strides and dtypes, then record the real device in the graph's types:
   /// the trace then costs its recording alone instead of a full eager run of every stage

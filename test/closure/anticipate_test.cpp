@@ -1,0 +1,168 @@
+// Note [Anticipated stages] (closure/anticipate.hpp): once two chains of calls fed the
+// backward stages the same seeds, a forward call runs them ahead as one graph and the
+// later calls return what it computed. Checked against libtorch's autograd in double at
+// every step: the staged PINN (stages 1 and 2 ahead, undefined seeds of stage 2), the
+// whole loss (its backward ahead), a seed other than the pattern's, a served call
+// applied again, an input modified in place after the forward, chains that never call
+// the stages (they disarm it; three misses turn it off), and the option off.
+#include <stagejit/compiler.hpp>
+#include <stagejit/testing/doctest.hpp>
+
+#include "../support/pinn_step.hpp"
+
+#include <cmath>
+
+namespace sj = stagejit;
+using namespace sj::testing::pinn_step;
+
+namespace {
+
+std::vector<at::Tensor> data_of(int64_t n, int64_t h) {
+  return {at::rand({n, 2}, at::kDouble) * 2 - 1, at::randn({2, h}, at::kDouble) * 0.7,
+          at::randn({h}, at::kDouble) * 0.1,     at::randn({h, h}, at::kDouble) / std::sqrt(double(h)),
+          at::randn({h}, at::kDouble) * 0.1,     at::randn({h, 1}, at::kDouble) / std::sqrt(double(h))};
+}
+
+double rel(const at::Tensor& got, const at::Tensor& want) {
+  return (got - want).abs().max().item<double>() / (1.0 + want.abs().max().item<double>());
+}
+
+void check_step(const Step& got, const Step& want) {
+  CHECK(std::abs(got.loss - want.loss) <= 1e-10 * (1 + std::abs(want.loss)));
+  REQUIRE(got.grads.size() == want.grads.size());
+  for (std::size_t i = 0; i < want.grads.size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(got.grads[i].defined());
+    CHECK(rel(got.grads[i], want.grads[i]) <= 1e-10);
+  }
+}
+
+sj::variable_list leaves(const std::vector<at::Tensor>& data) {
+  sj::variable_list in;
+  for (const auto& t : data) in.emplace_back(t, true);
+  return in;
+}
+
+// u_x and u_xx of the compiled net with seeds `c` * ones (stagejit) ...
+std::pair<at::Tensor, at::Tensor> sj_derivatives(sj::CompiledFunction& net, const std::vector<at::Tensor>& data, double c) {
+  auto in = leaves(data);
+  auto u = net(in)[0];
+  auto du = sj::grad({u}, {in[0]}, {sj::Variable(at::ones_like(u.data()) * c)}, true)[0];
+  auto u_x = sj::narrow(du, 1, 1, 1);
+  auto ddu = sj::grad({u_x}, {in[0]}, {sj::Variable(at::ones_like(u_x.data()) * c)}, true)[0];
+  return {du.data(), ddu.data()};
+}
+// ... and libtorch's.
+std::pair<at::Tensor, at::Tensor> torch_derivatives(const std::vector<at::Tensor>& data, double c) {
+  std::vector<torch::Tensor> in;
+  for (const auto& t : data) in.push_back(t.detach().clone().set_requires_grad(true));
+  auto u = torch_mlp(in);
+  auto du = torch::autograd::grad({u}, {in[0]}, {torch::ones_like(u) * c}, true, true)[0];
+  auto ddu = torch::autograd::grad({du.narrow(1, 1, 1)}, {in[0]}, {torch::ones_like(u) * c}, true, true)[0];
+  return {du.detach(), ddu.detach()};
+}
+
+}  // namespace
+
+TEST_CASE("a staged PINN step runs its derivatives ahead from the third step and equals libtorch") {
+  at::manual_seed(11);
+  sj::CompiledFunction net = sj::compile(mlp, sj::CompileOptions{.derivatives = 3});
+  std::vector<at::Tensor> data;
+  for (int step = 0; step < 5; ++step) {
+    CAPTURE(step);
+    data = data_of(40, 6);  // new points and weights each step: only the seeds repeat
+    check_step(sj_step(net, data), torch_step(data));
+  }
+  const auto stats = net.closure_for(leaves(data))->anticipation_stats();
+  CHECK(stats.chains == 5);
+  CHECK(stats.anticipated == 3);  // steps 2, 3 and 4
+  CHECK(stats.hits == 6);         // the grad calls of stages 1 and 2 in each
+  CHECK(stats.misses == 0);
+  CHECK_FALSE(stats.disabled);
+}
+
+TEST_CASE("a whole loss runs its backward ahead from the third step and equals libtorch") {
+  at::manual_seed(12);
+  sj::CompiledFunction loss = sj::compile(mlp_loss, sj::CompileOptions{.derivatives = 1});
+  std::vector<at::Tensor> data;
+  for (int step = 0; step < 4; ++step) {
+    CAPTURE(step);
+    data = data_of(40, 6);
+    check_step(sj_loss_step(loss, data), torch_step(data));
+  }
+  const auto stats = loss.closure_for(leaves(data))->anticipation_stats();
+  CHECK(stats.anticipated == 2);
+  CHECK(stats.hits == 2);
+  CHECK(stats.misses == 0);
+}
+
+TEST_CASE("a seed other than the pattern's runs its stage from the forward's inputs") {
+  at::manual_seed(13);
+  sj::CompiledFunction net = sj::compile(mlp, sj::CompileOptions{.derivatives = 3});
+  const auto data = data_of(30, 5);
+  for (int step = 0; step < 3; ++step) check_step(sj_step(net, data), torch_step(data));
+  // Armed: the next forward runs stages 1 and 2 ahead for seeds of ones.
+  for (double c : {2.0, 1.0, -0.5}) {
+    CAPTURE(c);
+    const auto [du, ddu] = sj_derivatives(net, data, c);
+    const auto [want_du, want_ddu] = torch_derivatives(data, c);
+    CHECK(rel(du, want_du) <= 1e-10);
+    CHECK(rel(ddu, want_ddu) <= 1e-10);
+  }
+  const auto stats = net.closure_for(leaves(data))->anticipation_stats();
+  CHECK(stats.misses >= 1);
+  check_step(sj_step(net, data), torch_step(data));
+}
+
+TEST_CASE("a served stage call applied again, and an input modified after the forward") {
+  at::manual_seed(14);
+  sj::CompiledFunction net = sj::compile(mlp, sj::CompileOptions{.derivatives = 3});
+  const auto data = data_of(30, 5);
+  for (int step = 0; step < 3; ++step) check_step(sj_step(net, data), torch_step(data));
+  const auto [want_du, want_ddu] = torch_derivatives(data, 1.0);
+  {
+    auto in = leaves(data);
+    auto u = net(in)[0];
+    const sj::Variable ones(at::ones_like(u.data()));
+    auto du1 = sj::grad({u}, {in[0]}, {ones}, true)[0];  // served by the run ahead
+    auto du2 = sj::grad({u}, {in[0]}, {ones}, true)[0];  // the same call again: runs its stage
+    CHECK(rel(du1.data(), want_du) <= 1e-10);
+    CHECK(rel(du2.data(), want_du) <= 1e-10);
+    auto ddu = sj::grad({sj::narrow(du2, 1, 1, 1)}, {in[0]}, {sj::Variable(at::ones_like(u.data()))}, true)[0];
+    CHECK(rel(ddu.data(), want_ddu) <= 1e-10);
+  }
+  for (bool anticipate : {true, false}) {
+    CAPTURE(anticipate);
+    sj::CompiledFunction f = sj::compile(mlp, sj::CompileOptions{.derivatives = 3, .anticipate_stages = anticipate});
+    for (int step = 0; step < 3; ++step) check_step(sj_step(f, data), torch_step(data));
+    std::vector<at::Tensor> copy;
+    for (const auto& t : data) copy.push_back(t.clone());
+    auto in = leaves(copy);
+    auto u = f(in)[0];
+    copy[3].add_(1.0);  // W2, read saved by stage 1, modified in place
+    CHECK_THROWS_AS(sj::grad({u}, {in[0]}, {sj::Variable(at::ones_like(u.data()))}, true), sj::Error);
+    CHECK(f.closure_for(in)->anticipation_stats().anticipated == (anticipate ? 1u : 0u));
+  }
+}
+
+TEST_CASE("chains that leave the pattern disarm it; three misses turn anticipation off") {
+  at::manual_seed(15);
+  sj::CompiledFunction net = sj::compile(mlp, sj::CompileOptions{.derivatives = 3});
+  const auto data = data_of(30, 5);
+  for (int round = 0; round < 3; ++round) {
+    CAPTURE(round);
+    // Two chains confirm the pattern, the third runs ahead ...
+    for (int step = 0; step < 3; ++step) check_step(sj_step(net, data), torch_step(data));
+    // ... and so does this forward, whose derivatives are never asked for: a miss, and
+    // the pattern waits for two confirming chains again.
+    auto in = leaves(data);
+    (void)net(in)[0];
+  }
+  const auto stats = net.closure_for(leaves(data))->anticipation_stats();
+  CHECK(stats.anticipated == 6);
+  CHECK(stats.hits == 6);
+  CHECK(stats.misses == 3);
+  CHECK(stats.disabled);
+  for (int step = 0; step < 3; ++step) check_step(sj_step(net, data), torch_step(data));
+  CHECK(net.closure_for(leaves(data))->anticipation_stats().anticipated == 6);
+}
