@@ -3,10 +3,11 @@
 // compiled with k derivatives), the whole-loss compiled step (the loss with its inner
 // grads compiled with one derivative) and the stagejit eager step give libtorch's loss
 // and gradients (max |x - ref| / max |ref| <= 1e-5 in float, 1e-10 in double). Each
-// compiled mode runs twice on its compiled functions (the first call traces and runs op
-// by op while the kernels build; the second runs the cached closure), and both calls
-// are checked.
-#include <stagejit/stagejit.hpp>
+// compiled mode runs four times on its compiled functions (the first call traces and
+// runs op by op while the kernels build; the second runs the cached closure; the third
+// and fourth run the backward stages ahead where the seeds repeat, Note [Anticipated
+// stages]), and every call is checked.
+#include <stagejit/compiler.hpp>
 #include <stagejit/testing/doctest.hpp>
 
 #include "../support/higher_order.hpp"
@@ -29,7 +30,7 @@ void check_workload(const std::string& name, at::ScalarType dtype) {
   CHECK(std::isfinite(ref.loss));
   for (std::size_t i = 0; i < ref.grads.size(); i += 2) CHECK(ref.grads[i].abs().max().item<double>() > 0);
   for (ho::Mode m : {ho::Mode::Staged, ho::Mode::WholeLoss, ho::Mode::Eager}) {
-    const int calls = m == ho::Mode::Eager ? 1 : 2;
+    const int calls = m == ho::Mode::Eager ? 1 : 4;
     for (int c = 0; c < calls; ++c) {
       CAPTURE(name);
       const std::string mode = ho::mode_name(m);
@@ -49,7 +50,17 @@ void check_workload(const std::string& name, at::ScalarType dtype) {
   // The compiled functions traced once per mode and then hit their cache.
   CHECK(w->compiled_net().stats().misses >= 1);
   CHECK(w->compiled_loss().stats().misses == 1);
-  CHECK(w->compiled_loss().stats().hits == 1);
+  CHECK(w->compiled_loss().stats().hits == 3);
+  // The whole loss's backward (seeded by the implicit 1) ran ahead in the last two steps
+  // and served them; so did the staged net's stages where the seeds repeat (every
+  // workload but hvp and maml, whose stage 1 is seeded by the loss's gradient).
+  const auto loss_stats = w->compiled_loss().closure_for(w->last_loss_inputs())->anticipation_stats();
+  CHECK(loss_stats.anticipated == 2);
+  CHECK(loss_stats.misses == 0);
+  CHECK(loss_stats.hits == 2);
+  const auto net_stats = w->compiled_net().closure_for(w->last_net_inputs())->anticipation_stats();
+  CHECK(net_stats.misses == 0);
+  if (name != "hvp" && name != "maml") CHECK(net_stats.anticipated == 2);
 }
 
 }  // namespace
