@@ -166,3 +166,53 @@ TEST_CASE("chains that leave the pattern disarm it; three misses turn anticipati
   for (int step = 0; step < 3; ++step) check_step(sj_step(net, data), torch_step(data));
   CHECK(net.closure_for(leaves(data))->anticipation_stats().anticipated == 6);
 }
+
+TEST_CASE("seeds of another dtype are not anticipated; a seed or weight modified between calls is treated as without") {
+  at::manual_seed(16);
+  const auto data = data_of(30, 5);
+  const auto [want_du, want_ddu] = torch_derivatives(data, 1.0);
+  {
+    // A double net differentiated with float seeds: each call casts them (as libtorch's
+    // engine casts a gradient to its input's dtype); nothing runs ahead of such calls.
+    sj::CompiledFunction net = sj::compile(mlp, sj::CompileOptions{.derivatives = 3});
+    for (int step = 0; step < 4; ++step) {
+      CAPTURE(step);
+      auto in = leaves(data);
+      auto u = net(in)[0];
+      auto du = sj::grad({u}, {in[0]}, {sj::Variable(at::ones({30, 1}, at::kFloat))}, true)[0];
+      auto ddu = sj::grad({sj::narrow(du, 1, 1, 1)}, {in[0]}, {sj::Variable(at::ones({30, 1}, at::kFloat))}, true)[0];
+      CHECK(bool(du.data().scalar_type() == at::kDouble));
+      CHECK(rel(du.data(), want_du) <= 1e-10);
+      CHECK(rel(ddu.data(), want_ddu) <= 1e-10);
+    }
+    CHECK(net.closure_for(leaves(data))->anticipation_stats().anticipated == 0);
+  }
+  // A seed, or a weight, modified in place between the calls of stages 1 and 2: a served
+  // call refuses (or takes) it exactly as a call running its stage does.
+  for (int what : {0, 1}) {
+    CAPTURE(what);
+    bool threw[2] = {false, false};
+    for (bool anticipate : {true, false}) {
+      CAPTURE(anticipate);
+      sj::CompiledFunction net = sj::compile(mlp, sj::CompileOptions{.derivatives = 3, .anticipate_stages = anticipate});
+      std::vector<at::Tensor> copy;
+      for (const auto& t : data) copy.push_back(t.clone());
+      for (int step = 0; step < 3; ++step) check_step(sj_step(net, copy), torch_step(copy));
+      auto in = leaves(copy);
+      auto u = net(in)[0];
+      at::Tensor seed = at::ones_like(u.data());
+      auto du = sj::grad({u}, {in[0]}, {sj::Variable(seed)}, true)[0];
+      CHECK(rel(du.data(), want_du) <= 1e-10);
+      (what == 0 ? seed : copy[3]).mul_(2.0);
+      try {
+        auto ddu = sj::grad({sj::narrow(du, 1, 1, 1)}, {in[0]}, {sj::Variable(at::ones_like(u.data()))}, true)[0];
+        CHECK(rel(ddu.data(), want_ddu) <= 1e-10);  // what it read was saved before the change
+      } catch (const sj::Error&) {
+        threw[anticipate ? 1 : 0] = true;
+      }
+      CHECK(net.closure_for(in)->anticipation_stats().anticipated == (anticipate ? 1u : 0u));
+    }
+    CHECK(threw[0] == threw[1]);
+    if (what == 1) CHECK(threw[1]);  // stage 2 reads W2 saved
+  }
+}

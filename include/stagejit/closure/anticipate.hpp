@@ -195,6 +195,27 @@ inline std::shared_ptr<ir::Graph> build_anticipated_graph(const ir::Graph& graph
   return g;
 }
 
+/// The graph input `v` is, or is a view of through ops that may return views (Transpose,
+/// Reshape, and view ops: such a view shares its base's version counter); null otherwise.
+inline const ir::Value* view_base_input(const ir::Value* v) {
+  static const char* const kViews[] = {"t",        "transpose", "view",   "reshape", "narrow", "expand",
+                                       "expand_as", "squeeze",  "unsqueeze", "select", "slice",  "permute",
+                                       "alias",    "as_strided", "chunk",  "split",   "view_as", "flatten",
+                                       "unflatten", "detach",   "diagonal"};
+  for (int hops = 0; v && hops < 64; ++hops) {
+    const ir::Node* n = v->node();
+    if (n->is<ir::Param>()) return v;
+    bool view = n->is<ir::Transpose>() || n->is<ir::Reshape>();
+    if (!view && n->is<ir::Op>()) {
+      const std::string d = n->describe();
+      for (const char* name : kViews) view = view || d == name;
+    }
+    if (!view || n->inputs().empty()) return nullptr;
+    v = n->input(0);
+  }
+  return nullptr;
+}
+
 /// Whether anticipation is on in this process: STAGEJIT_ANTICIPATE unset or not "0".
 inline bool anticipation_enabled_by_environment() {
   static const bool on = [] {
@@ -209,9 +230,9 @@ inline bool same_bits(const at::Tensor& a, const at::Tensor& b) {
   if (!a.defined() || !b.defined()) return a.defined() == b.defined();
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes() || !a.device().is_cpu() || !b.device().is_cpu())
     return false;
-  if (a.is_contiguous() && b.is_contiguous())
-    return a.numel() == 0 || std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
-  return at::equal(a, b);
+  if (a.numel() == 0) return true;
+  const at::Tensor ca = a.contiguous(), cb = b.contiguous();  // bits, not values: -0.0 and NaN too
+  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
 }
 
 }  // namespace stagejit::closure

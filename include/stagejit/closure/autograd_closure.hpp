@@ -132,9 +132,15 @@ struct MultiStageClosure {
     mutable std::once_flag once;
     mutable std::shared_ptr<const MultiStageClosure> graph_closure;  ///< null: cannot be built
     mutable AnticipatedLayout layout;
-    /// [t-1]: what a call of stage t checks the version of, as it would its saved values:
-    /// (-1, i) input i of stage 0, (s, j) output j of stage s < t.
-    mutable std::vector<std::vector<std::pair<std::ptrdiff_t, std::size_t>>> checks;
+    /// What a call of stage t checks the version of, as it would its saved values: input
+    /// `index` of stage `stage` (0: the forward's; s >= 1: the seed its call was fed), or
+    /// output `index` of stage `stage` as returned.
+    struct Check {
+      bool output;
+      std::size_t stage;
+      std::size_t index;
+    };
+    mutable std::vector<std::vector<Check>> checks;  ///< [t-1]
   };
   /// Counts of Note [Anticipated stages], for tests and benches.
   struct AnticipationStats {
@@ -270,21 +276,33 @@ struct MultiStageClosure {
         }
         c->cache_host_memory = cache_host_memory;
         c->inter_op_parallel = inter_op_parallel;
+        // The saved values are those the variant a call of stage t runs reads (Note [Stage
+        // variants]; built by the chains that made the pattern, so found in the cache).
         p.checks.assign(p.m, {});
-        for (std::size_t t = 1; t <= p.m; ++t)
-          for (std::size_t slot : stages.at(t).prev_slots) {
-            const ir::Value* v = plan.slot_value(slot);
-            const std::size_t s = v->stage();
-            if (v->node()->is<ir::Param>()) {
-              const auto& ins = plan.stage_inputs(s);
-              for (std::size_t i = 0; s == 0 && i < ins.size(); ++i)
-                if (ins[i] == v) p.checks[t - 1].emplace_back(-1, i);
-              continue;
-            }
-            const auto& outs = plan.stage_outputs(s);
-            for (std::size_t j = 0; j < outs.size(); ++j)
-              if (outs[j] == v) p.checks[t - 1].emplace_back(static_cast<std::ptrdiff_t>(s), j);
+        for (std::size_t t = 1; t <= p.m; ++t) {
+          const StageClosure* sc = &stages.at(t);
+          if (specialize) {
+            StageVariantKey key;
+            key.stage = t;
+            for (const auto& v : p.seeds.at(t - 1)) key.defined_inputs.push_back(v.defined() ? 1 : 0);
+            key.defined_inputs.resize(key.defined_inputs.size() + stages.at(t).prev_slots.size(), 1);
+            key.needed_outputs = p.needed.at(t - 1);
+            key.captures = p.grad_mode.at(t - 1) != 0 || plan.captures(t).empty();
+            sc = &closure_for(key);
           }
+          for (std::size_t slot : sc->prev_slots) {
+            const ir::Value* v = plan.slot_value(slot);
+            const auto& outs = plan.stage_outputs(v->stage());
+            for (std::size_t j = 0; j < outs.size(); ++j)
+              if (outs[j] == v) p.checks[t - 1].push_back({true, v->stage(), j});
+            // An input, or a view of one (it shares the input's version counter).
+            if (const ir::Value* in = view_base_input(v)) {
+              const auto& ins = plan.stage_inputs(in->stage());
+              for (std::size_t i = 0; i < ins.size(); ++i)
+                if (ins[i] == in) p.checks[t - 1].push_back({false, in->stage(), i});
+            }
+          }
+        }
         p.layout = std::move(layout);
         p.graph_closure = std::move(c);
       } catch (...) {
@@ -351,7 +369,7 @@ struct ChainLog {
     variable_list seeds;
     std::vector<char> needed;
     bool grad_mode = false;
-    bool seeds_ok = false;  ///< every defined seed on the CPU
+    bool seeds_ok = false;  ///< every defined seed on the CPU, of the traced sizes and dtype
     bool matched = false;   ///< equal to the pattern the chain started with
     int count = 0;          ///< calls of this stage in the chain
   };
@@ -387,8 +405,16 @@ struct ChainLog {
     for (const auto& v : inputs) c.seeds.push_back(v.defined() ? Variable(v.data()) : Variable());
     c.needed = needed;
     c.grad_mode = grad_mode;
-    c.seeds_ok = true;
-    for (const auto& v : inputs) c.seeds_ok = c.seeds_ok && (!v.defined() || v.data().device().is_cpu());
+    // A seed of another shape (which the stage refuses) or dtype (which it casts) is not
+    // anticipated.
+    const auto& traced = desc->plan.stage_inputs(t);
+    c.seeds_ok = inputs.size() == traced.size();
+    for (std::size_t i = 0; c.seeds_ok && i < inputs.size(); ++i) {
+      if (!inputs[i].defined()) continue;
+      const at::Tensor& d = inputs[i].data();
+      const ir::TensorType* type = traced[i]->tensor_type();
+      c.seeds_ok = d.device().is_cpu() && type && d.scalar_type() == type->dtype && d.sizes() == at::IntArrayRef(type->sizes);
+    }
     const auto* p = against.get();
     c.matched = c.seeds_ok && p && t <= p->m && p->needed[t - 1] == needed && (p->grad_mode[t - 1] != 0) == grad_mode &&
                 p->seeds[t - 1].size() == inputs.size();
@@ -451,7 +477,10 @@ struct AnticipatedRun {
   variable_list inputs0;            ///< the forward's inputs (their tensors)
   std::vector<int64_t> versions0;   ///< their versions then (-1: none)
   variable_list outputs;            ///< the anticipated graph's outputs
+  std::vector<int64_t> output_versions;  ///< their versions after the run
   std::mutex mutex;
+  /// [s]: the seeds the served call of stage s was fed (their tensors) and their versions then.
+  std::vector<std::vector<std::pair<at::Tensor, int64_t>>> fed;
   /// [s][j]: output j of stage s as returned to the caller, and its version then.
   std::vector<std::vector<std::pair<at::Tensor, int64_t>>> returned;
 };
@@ -759,13 +788,14 @@ class StageCall final : public ClosureImpl {
     // them for the chain), a later call may be served by that run.
     std::shared_ptr<ChainLog> log = log_;
     std::shared_ptr<AnticipatedRun> pack;
+    std::vector<int64_t> primed_versions;  // a served call of stage m: what it captured
     bool served = false;
     if (stage_ == 0) {
       served = run_ahead(inputs, needed, state, log, pack);
     } else {
       const bool first_match = log && log->record(stage_, inputs, needed, GradMode::is_enabled());
       if (pack_ && first_match && !pack_used_.exchange(true)) {
-        served = serve_from_run(state);
+        served = serve_from_run(inputs, state, primed_versions);
         if (served) {
           pack = pack_;
           std::lock_guard<std::mutex> lock(log->mutex);
@@ -781,9 +811,10 @@ class StageCall final : public ClosureImpl {
     input_impls.reserve(inputs.size() + d.stages[stage_].prev_slots.size());
     for (const auto& in : inputs)
       if (in.defined()) input_impls.push_back(in.data().unsafeGetTensorImpl());
-    for (std::size_t slot : d.stages[stage_].prev_slots)
-      if (slot < env_values_.size() && env_values_[slot].defined())
-        input_impls.push_back(env_values_[slot].data().unsafeGetTensorImpl());
+    if (!served)  // a served call reads nothing of its environment (another thread may fill it)
+      for (std::size_t slot : d.stages[stage_].prev_slots)
+        if (slot < env_values_.size() && env_values_[slot].defined())
+          input_impls.push_back(env_values_[slot].data().unsafeGetTensorImpl());
     if (pack)
       for (const auto& in : pack->inputs0)
         if (in.defined()) input_impls.push_back(in.data().unsafeGetTensorImpl());
@@ -817,7 +848,7 @@ class StageCall final : public ClosureImpl {
     if (GradMode::is_enabled() && d.linked()) {
       bool any = false;
       for (std::size_t i = 0; i < outs.size(); ++i) any = any || (wants[i] && outs[i].defined());
-      if (any) grad_fn = make_next(state, edges, log, pack);
+      if (any) grad_fn = make_next(state, edges, log, pack, served ? &primed_versions : nullptr);
     }
     variable_list result;
     result.reserve(outs.size());
@@ -877,11 +908,13 @@ class StageCall final : public ClosureImpl {
       call.run(all, st);
       run->outputs = std::move(st.outputs);
     }
+    for (const auto& o : run->outputs) run->output_versions.push_back(version_of(o));
     for (const auto& in : inputs) {
       run->inputs0.push_back(in.defined() ? Variable(in.data()) : Variable());  // no autograd record kept
       run->versions0.push_back(version_of(in));
     }
     run->returned.resize(armed->m + 1);
+    run->fed.resize(armed->m + 1);
     state.outputs.clear();
     for (std::ptrdiff_t idx : armed->layout.stage_outputs.at(0))
       state.outputs.push_back(idx >= 0 ? run->outputs.at(static_cast<std::size_t>(idx)) : Variable());
@@ -892,46 +925,93 @@ class StageCall final : public ClosureImpl {
     return true;
   }
 
-  /// Note [Anticipated stages]: serves this call (stage t of 1..m, its seeds matched) from
-  /// the run ahead: checks the versions of what the stage would read saved (throws as
-  /// `check_version`), fills `state` with the stage's outputs and, at stage m, the values
-  /// the next call is primed with. Returns true.
-  bool serve_from_run(CallState& state) const {
+  /// Note [Anticipated stages]: throws as `check_version` when a tensor a call of this
+  /// stage would read saved (an input of the forward or a view of one, an earlier call's
+  /// seed, an output returned by an earlier call) was modified in place since.
+  void check_saved_versions() const {
     const auto& d = *desc_;
     const auto& P = *pack_->pattern;
-    const std::size_t t = stage_;
-    for (const auto& [s, j] : P.checks.at(t - 1)) {
+    for (const auto& c : P.checks.at(stage_ - 1)) {
       at::Tensor tensor;
       int64_t saved = -1;
-      if (s < 0) {
-        if (j < pack_->inputs0.size() && pack_->inputs0[j].defined()) {
-          tensor = pack_->inputs0[j].data();
-          saved = pack_->versions0.at(j);
+      if (!c.output && c.stage == 0) {
+        if (c.index < pack_->inputs0.size() && pack_->inputs0[c.index].defined()) {
+          tensor = pack_->inputs0[c.index].data();
+          saved = pack_->versions0.at(c.index);
         }
       } else {
         std::lock_guard<std::mutex> lock(pack_->mutex);
-        const auto& kept = pack_->returned.at(static_cast<std::size_t>(s));
-        if (j < kept.size()) std::tie(tensor, saved) = kept[j];
+        const auto& kept = c.output ? pack_->returned.at(c.stage) : pack_->fed.at(c.stage);
+        if (c.index < kept.size()) std::tie(tensor, saved) = kept[c.index];
       }
       if (!tensor.defined() || saved < 0 || tensor.is_inference()) continue;
       const auto now = static_cast<int64_t>(tensor._version());
       if (now != saved)
-        throw_modified(s < 0 ? d.plan.stage_inputs(0).at(j) : d.plan.stage_outputs(static_cast<std::size_t>(s)).at(j),
+        throw_modified(c.output ? d.plan.stage_outputs(c.stage).at(c.index) : d.plan.stage_inputs(c.stage).at(c.index),
                        tensor, now, saved);
     }
+  }
+
+  /// Note [Anticipated stages]: serves this call (stage t of 1..m, its seeds `inputs`
+  /// matched) from the run ahead: checks the versions of what the stage would read saved
+  /// (`check_saved_versions`), fills `state` with the stage's outputs and, at stage m, the
+  /// values the next call is primed with and their versions (`versions`, per slot, -2 for
+  /// none) as a call of stage m would have captured them. Reads nothing of this call's
+  /// environment. Returns true.
+  bool serve_from_run(const variable_list& inputs, CallState& state, std::vector<int64_t>& versions) const {
+    const auto& d = *desc_;
+    const auto& P = *pack_->pattern;
+    const std::size_t t = stage_;
+    {
+      std::lock_guard<std::mutex> lock(pack_->mutex);
+      auto& fed = pack_->fed.at(t);
+      fed.clear();
+      for (const auto& in : inputs)
+        fed.emplace_back(in.defined() ? in.data() : at::Tensor(), in.defined() ? version_of(in) : -1);
+    }
+    check_saved_versions();
+    // A result that is one of the pattern's seeds (a gradient passed through) is the seed
+    // this chain was fed, as a view: never the pattern's own tensor.
+    auto own = [&](Variable v) -> Variable {
+      if (!v.defined()) return v;
+      std::lock_guard<std::mutex> lock(pack_->mutex);
+      for (std::size_t s = 1; s <= t; ++s)
+        for (std::size_t i = 0; i < P.seeds.at(s - 1).size(); ++i)
+          if (P.seeds[s - 1][i].defined() && P.seeds[s - 1][i].data().unsafeGetTensorImpl() == v.data().unsafeGetTensorImpl() &&
+              i < pack_->fed.at(s).size() && pack_->fed[s][i].first.defined()) {
+            at::Tensor alias = at::alias(pack_->fed[s][i].first);
+            share_version_counter_with_base(alias, {pack_->fed[s][i].first});
+            return Variable(std::move(alias));
+          }
+      return v;
+    };
     const auto& L = P.layout;
     state.outputs.clear();
     for (std::ptrdiff_t idx : L.stage_outputs.at(t))
-      state.outputs.push_back(idx >= 0 ? pack_->outputs.at(static_cast<std::size_t>(idx)) : Variable());
+      state.outputs.push_back(idx >= 0 ? own(pack_->outputs.at(static_cast<std::size_t>(idx))) : Variable());
     state.values.assign(d.plan.num_slots(), Variable());
     state.handles.assign(d.plan.num_slots(), nullptr);
+    versions.assign(d.plan.num_slots(), -2);
     if (t == P.m)
       for (const auto& src : L.primed) {
         Variable v;
-        if (src.kind == 0) v = pack_->outputs.at(src.index);
-        else if (src.kind == 1) v = pack_->inputs0.at(src.index).defined() ? Variable(pack_->inputs0[src.index].data()) : Variable();
-        else v = P.seeds.at(src.stage - 1).at(src.index);
+        int64_t version = -1;
+        if (src.kind == 0) {
+          v = own(pack_->outputs.at(src.index));
+          version = pack_->output_versions.at(src.index);
+        } else if (src.kind == 1) {
+          if (pack_->inputs0.at(src.index).defined()) v = Variable(pack_->inputs0[src.index].data());
+          version = pack_->versions0.at(src.index);
+        } else {
+          std::lock_guard<std::mutex> lock(pack_->mutex);
+          const auto& fed = pack_->fed.at(src.stage);
+          if (src.index < fed.size() && fed[src.index].first.defined()) {
+            v = Variable(fed[src.index].first);
+            version = fed[src.index].second;
+          }
+        }
         state.values.at(src.slot) = std::move(v);
+        versions.at(src.slot) = version;
       }
     return true;
   }
@@ -945,12 +1025,21 @@ class StageCall final : public ClosureImpl {
     if (!pack_) return;
     std::call_once(env_once_, [this] {
       const auto& d = *desc_;
+      check_saved_versions();
+      // Rerunning stage 0 needs the forward's inputs as they were.
       for (std::size_t i = 0; i < pack_->inputs0.size(); ++i) {
         const Variable& in = pack_->inputs0[i];
         const int64_t saved = i < pack_->versions0.size() ? pack_->versions0[i] : -1;
         if (!in.defined() || saved < 0) continue;
         const int64_t now = version_of(in);
-        if (now != saved) throw_modified(d.plan.stage_inputs(0).at(i), in.data(), now, saved);
+        if (now != saved)
+          ::stagejit::detail::throw_error<Error>(
+              "compiled stage ", stage_, ": ", ir::value_label(d.plan.stage_inputs(0).at(i)), " (input ", i,
+              " of the forward call, a ", in.data().scalar_type(), " tensor of shape ", in.data().sizes(),
+              ") was modified in place after the call (version ", saved, ", now ", now,
+              "); the forward ran this stage ahead for other seeds than this call's, and running it for these "
+              "needs the values the forward saw (Note [Anticipated stages]; CompileOptions::anticipate_stages "
+              "= false keeps every stage's saved values instead)");
       }
       auto call = std::make_shared<StageCall>(desc_, 0, std::vector<Variable>{}, std::vector<std::shared_ptr<Function>>{},
                                               std::vector<Edge>{});
@@ -992,7 +1081,8 @@ class StageCall final : public ClosureImpl {
   /// producers. Null when no edge leads anywhere.
   std::shared_ptr<Function> make_next(CallState& state, const std::vector<Edge>& edges,
                                       const std::shared_ptr<ChainLog>& log = nullptr,
-                                      const std::shared_ptr<AnticipatedRun>& pack = nullptr) {
+                                      const std::shared_ptr<AnticipatedRun>& pack = nullptr,
+                                      const std::vector<int64_t>* served_versions = nullptr) {
     const auto& d = *desc_;
     const std::size_t next = stage_ + 1;
     if (next >= d.num_stages()) {
@@ -1040,7 +1130,7 @@ class StageCall final : public ClosureImpl {
       any_edge = any_edge || next_edges.back().is_valid();
     }
     if (!any_edge) return nullptr;
-    auto [values, handles, versions] = primed(state);
+    auto [values, handles, versions] = primed(state, served_versions);
     auto impl = std::make_shared<StageCall>(desc_, next, std::move(values), std::move(handles), edges,
                                             std::move(versions));
     impl->log_ = log;
@@ -1060,13 +1150,19 @@ class StageCall final : public ClosureImpl {
   /// captures or (for values of earlier stages) what this call was primed with, and the
   /// versions of those values when captured (now for this call's captures).
   std::tuple<std::vector<Variable>, std::vector<std::shared_ptr<Function>>, std::vector<int64_t>>
-  primed(const CallState& state) const {
+  primed(const CallState& state, const std::vector<int64_t>* served_versions = nullptr) const {
     const auto& d = *desc_;
     std::vector<Variable> values(d.plan.num_slots());
     std::vector<std::shared_ptr<Function>> handles(d.plan.num_slots());
     std::vector<int64_t> versions(d.plan.num_slots(), -1);
     for (std::size_t slot : d.plan.needed_after(stage_)) {
-      if (state.values[slot].defined()) {
+      if (served_versions) {
+        // Note [Anticipated stages]: a served call primes from its run alone, with the
+        // versions its values had when a call of its stage would have captured them.
+        values[slot] = state.values[slot];
+        const int64_t v = slot < served_versions->size() ? (*served_versions)[slot] : -2;
+        versions[slot] = v >= -1 ? v : version_of(values[slot]);
+      } else if (state.values[slot].defined()) {
         values[slot] = state.values[slot];
         versions[slot] = version_of(values[slot]);
       } else if (slot < env_values_.size()) {
