@@ -17,12 +17,6 @@ using namespace sj::testing::pinn_step;
 
 namespace {
 
-std::vector<at::Tensor> data_of(int64_t n, int64_t h) {
-  return {at::rand({n, 2}, at::kDouble) * 2 - 1, at::randn({2, h}, at::kDouble) * 0.7,
-          at::randn({h}, at::kDouble) * 0.1,     at::randn({h, h}, at::kDouble) / std::sqrt(double(h)),
-          at::randn({h}, at::kDouble) * 0.1,     at::randn({h, 1}, at::kDouble) / std::sqrt(double(h))};
-}
-
 double rel(const at::Tensor& got, const at::Tensor& want) {
   return (got - want).abs().max().item<double>() / (1.0 + want.abs().max().item<double>());
 }
@@ -70,7 +64,7 @@ TEST_CASE("a staged PINN step runs its derivatives ahead from the third step and
   std::vector<at::Tensor> data;
   for (int step = 0; step < 5; ++step) {
     CAPTURE(step);
-    data = data_of(40, 6);  // new points and weights each step: only the seeds repeat
+    data = mlp_data(40, 6);  // new points and weights each step: only the seeds repeat
     check_step(sj_step(net, data), torch_step(data));
   }
   const auto stats = net.closure_for(leaves(data))->anticipation_stats();
@@ -87,7 +81,7 @@ TEST_CASE("a whole loss runs its backward ahead from the third step and equals l
   std::vector<at::Tensor> data;
   for (int step = 0; step < 4; ++step) {
     CAPTURE(step);
-    data = data_of(40, 6);
+    data = mlp_data(40, 6);
     check_step(sj_loss_step(loss, data), torch_step(data));
   }
   const auto stats = loss.closure_for(leaves(data))->anticipation_stats();
@@ -99,7 +93,7 @@ TEST_CASE("a whole loss runs its backward ahead from the third step and equals l
 TEST_CASE("a seed other than the pattern's runs its stage from the forward's inputs") {
   at::manual_seed(13);
   sj::CompiledFunction net = sj::compile(mlp, sj::CompileOptions{.derivatives = 3});
-  const auto data = data_of(30, 5);
+  const auto data = mlp_data(30, 5);
   for (int step = 0; step < 3; ++step) check_step(sj_step(net, data), torch_step(data));
   // Armed: the next forward runs stages 1 and 2 ahead for seeds of ones.
   for (double c : {2.0, 1.0, -0.5}) {
@@ -117,7 +111,7 @@ TEST_CASE("a seed other than the pattern's runs its stage from the forward's inp
 TEST_CASE("a served stage call applied again, and an input modified after the forward") {
   at::manual_seed(14);
   sj::CompiledFunction net = sj::compile(mlp, sj::CompileOptions{.derivatives = 3});
-  const auto data = data_of(30, 5);
+  const auto data = mlp_data(30, 5);
   for (int step = 0; step < 3; ++step) check_step(sj_step(net, data), torch_step(data));
   const auto [want_du, want_ddu] = torch_derivatives(data, 1.0);
   {
@@ -148,7 +142,7 @@ TEST_CASE("a served stage call applied again, and an input modified after the fo
 TEST_CASE("chains that leave the pattern disarm it; three misses turn anticipation off") {
   at::manual_seed(15);
   sj::CompiledFunction net = sj::compile(mlp, sj::CompileOptions{.derivatives = 3});
-  const auto data = data_of(30, 5);
+  const auto data = mlp_data(30, 5);
   for (int round = 0; round < 3; ++round) {
     CAPTURE(round);
     // Two chains confirm the pattern, the third runs ahead ...
@@ -169,7 +163,7 @@ TEST_CASE("chains that leave the pattern disarm it; three misses turn anticipati
 
 TEST_CASE("seeds of another dtype are not anticipated; a seed or weight modified between calls is treated as without") {
   at::manual_seed(16);
-  const auto data = data_of(30, 5);
+  const auto data = mlp_data(30, 5);
   const auto [want_du, want_ddu] = torch_derivatives(data, 1.0);
   {
     // A double net differentiated with float seeds: each call casts them (as libtorch's
@@ -215,4 +209,24 @@ TEST_CASE("seeds of another dtype are not anticipated; a seed or weight modified
     CHECK(threw[0] == threw[1]);
     if (what == 1) CHECK(threw[1]);  // stage 2 reads W2 saved
   }
+}
+
+TEST_CASE("a bias changed in place after a run ahead, then a call with other seeds: as libtorch") {
+  // libtorch saves no bias for the backward, so it takes the change; so must a call that
+  // runs its stage after all (stage 0 reruns from the forward's own inputs).
+  at::manual_seed(17);
+  const auto data = mlp_data(30, 5);
+  const auto [want_du, want_ddu] = torch_derivatives(data, 2.0);
+  sj::CompiledFunction net = sj::compile(mlp, sj::CompileOptions{.derivatives = 3});
+  std::vector<at::Tensor> copy;
+  for (const auto& t : data) copy.push_back(t.clone());
+  for (int step = 0; step < 3; ++step) check_step(sj_step(net, copy), torch_step(copy));
+  auto in = leaves(copy);
+  auto u = net(in)[0];  // runs stages 1 and 2 ahead for seeds of ones
+  copy[4].add_(0.25);   // b2
+  auto du = sj::grad({u}, {in[0]}, {sj::Variable(at::ones_like(u.data()) * 2.0)}, true)[0];
+  CHECK(rel(du.data(), want_du) <= 1e-10);
+  auto ddu = sj::grad({sj::narrow(du, 1, 1, 1)}, {in[0]}, {sj::Variable(at::ones_like(u.data()) * 2.0)}, true)[0];
+  CHECK(rel(ddu.data(), want_ddu) <= 1e-10);
+  CHECK(net.closure_for(in)->anticipation_stats().anticipated == 1);
 }

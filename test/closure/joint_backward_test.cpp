@@ -21,12 +21,6 @@ using namespace sj::testing::pinn_step;
 
 namespace {
 
-std::vector<at::Tensor> data_of(int64_t n, int64_t h) {
-  return {at::rand({n, 2}, at::kDouble) * 2 - 1, at::randn({2, h}, at::kDouble) * 0.7,
-          at::randn({h}, at::kDouble) * 0.1,     at::randn({h, h}, at::kDouble) / std::sqrt(double(h)),
-          at::randn({h}, at::kDouble) * 0.1,     at::randn({h, 1}, at::kDouble) / std::sqrt(double(h))};
-}
-
 sj::variable_list inputs_of(const std::vector<at::Tensor>& data) {
   sj::variable_list in;
   for (const auto& t : data) in.emplace_back(t, true);
@@ -70,7 +64,7 @@ std::size_t non_capturing_backward_variants(const sj::closure::MultiStageClosure
 
 // Note [Joint siblings]: inputs of `mlp` with `dim` input columns.
 std::vector<at::Tensor> data_of_dim(int64_t n, int64_t h, int64_t dim) {
-  auto d = data_of(n, h);
+  auto d = mlp_data(n, h);
   d[0] = at::rand({n, dim}, at::kDouble) * 2 - 1;
   d[1] = at::randn({dim, h}, at::kDouble) * 0.7;
   return d;
@@ -257,7 +251,7 @@ TEST_CASE("joint backward: the PINN step's final backward runs the joint stage a
   at::manual_seed(21);
   for (int64_t n : {64, 4200}) {  // untiled, and row-tiled where LIBXSMM is found
     CAPTURE(n);
-    const auto data = data_of(n, 8);
+    const auto data = mlp_data(n, 8);
     const Step want = torch_step(data);
     auto net = sj::compile(mlp, {.derivatives = 3, .cross_stage_gradients = false});
     for (int round = 0; round < 2; ++round) {
@@ -278,7 +272,7 @@ TEST_CASE("joint backward: the PINN step's final backward runs the joint stage a
 
 TEST_CASE("joint backward: off, the stages run one by one with the same results") {
   at::manual_seed(22);
-  const auto data = data_of(48, 6);
+  const auto data = mlp_data(48, 6);
   const Step want = torch_step(data);
   auto net = sj::compile(mlp, {.derivatives = 3, .cross_stage_gradients = false, .joint_backward = false});
   check_grads(sj_step(net, data).grads, {want.grads.begin(), want.grads.end()});
@@ -292,7 +286,7 @@ TEST_CASE("joint backward: off, the stages run one by one with the same results"
 // joint stage runs with its gradients as symbolic zeros.
 TEST_CASE("joint backward: a member the backward does not reach is a zero") {
   at::manual_seed(23);
-  const auto data = data_of(40, 6);
+  const auto data = mlp_data(40, 6);
   auto tin = torch_inputs(data);
   auto tu = torch_mlp(tin);
   auto tdu = torch::autograd::grad({tu}, {tin[0]}, {torch::ones_like(tu)}, true, true)[0];
@@ -321,7 +315,7 @@ TEST_CASE("joint backward: a member the backward does not reach is a zero") {
 // would wait on itself) and run one after the other.
 TEST_CASE("joint backward: members that reach each other run one by one") {
   at::manual_seed(24);
-  const auto data = data_of(32, 5);
+  const auto data = mlp_data(32, 5);
   auto tin = torch_inputs(data);
   auto tu = torch_mlp(tin);
   auto tdu = torch::autograd::grad({tu}, {tin[0]}, {torch::sin(tu)}, true, true)[0];
@@ -345,7 +339,7 @@ TEST_CASE("joint backward: members that reach each other run one by one") {
 // one by one and the result can be differentiated again.
 TEST_CASE("joint backward: create_graph runs the stages one by one") {
   at::manual_seed(25);
-  const auto data = data_of(24, 5);
+  const auto data = mlp_data(24, 5);
   auto tin = torch_inputs(data);
   auto tu = torch_mlp(tin);
   auto tdu = torch::autograd::grad({tu}, {tin[0]}, {torch::ones_like(tu)}, true, true)[0];

@@ -10,6 +10,8 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
+#include <cstdint>
 #include <vector>
 
 namespace stagejit::testing::pinn_step {
@@ -24,6 +26,14 @@ inline torch::Tensor torch_mlp(const std::vector<torch::Tensor>& in) {
   auto h = torch::tanh(torch::mm(in[0], in[1]) + in[2]);
   h = torch::tanh(torch::mm(h, in[3]) + in[4]);
   return torch::mm(h, in[5]);
+}
+
+/// Random double inputs of `mlp`: X [n, 2] in [-1, 1), W1 [2, h], b1 [h], W2 [h, h],
+/// b2 [h], W3 [h, 1], scaled as an initialisation would (from ATen's default generator).
+inline std::vector<at::Tensor> mlp_data(int64_t n, int64_t h) {
+  return {at::rand({n, 2}, at::kDouble) * 2 - 1, at::randn({2, h}, at::kDouble) * 0.7,
+          at::randn({h}, at::kDouble) * 0.1,     at::randn({h, h}, at::kDouble) / std::sqrt(double(h)),
+          at::randn({h}, at::kDouble) * 0.1,     at::randn({h, 1}, at::kDouble) / std::sqrt(double(h))};
 }
 
 /// The loss (as double) and the gradients of W1..W3 (in the inputs' dtype).

@@ -31,8 +31,13 @@
 ///   stages read to stage m+1, as a call of stage m would have;
 /// - anything else (another seed, another mask, a second call of one stage) is a *miss*:
 ///   the call rebuilds what the chain's calls would have saved (stages 0..t-1 rerun from
-///   the forward's inputs, which it holds) and runs its stage as always. Three misses turn
-///   anticipation off for the closure.
+///   copies of the forward's inputs, kept by the run ahead, so a caller's in-place change
+///   of an input no stage reads saved changes nothing) and runs its stage as always. A
+///   chain that leaves the pattern disarms it until two chains confirm it again; three
+///   anticipated chains not served in full turn anticipation off for the closure.
+/// - a served call makes the version checks its stage's call would make on what it reads
+///   saved (the forward's inputs and views of them, earlier calls' seeds, outputs
+///   returned), so an in-place change is refused, or taken, exactly as without.
 /// Only for closures whose stages 0..m have no random or in-place op, host function or
 /// Eval (they must compute the same at any time), on the CPU, without cross-stage
 /// gradients (whose stages feed each other). `CompileOptions::anticipate_stages` (or

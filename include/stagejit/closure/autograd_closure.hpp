@@ -475,6 +475,7 @@ inline void MultiStageClosure::observe_chain(const ChainLog& log) const {
 struct AnticipatedRun {
   std::shared_ptr<const MultiStageClosure::AnticipationPattern> pattern;
   variable_list inputs0;            ///< the forward's inputs (their tensors)
+  variable_list originals;          ///< copies of them, for a rerun of stage 0
   std::vector<int64_t> versions0;   ///< their versions then (-1: none)
   variable_list outputs;            ///< the anticipated graph's outputs
   std::vector<int64_t> output_versions;  ///< their versions after the run
@@ -912,6 +913,9 @@ class StageCall final : public ClosureImpl {
     for (const auto& in : inputs) {
       run->inputs0.push_back(in.defined() ? Variable(in.data()) : Variable());  // no autograd record kept
       run->versions0.push_back(version_of(in));
+      // A copy (the inputs are a small part of a step's memory traffic), in case a later
+      // call must rerun stage 0 after the caller changed an input in place.
+      run->originals.push_back(in.defined() ? Variable(in.data().clone()) : Variable());
     }
     run->returned.resize(armed->m + 1);
     run->fed.resize(armed->m + 1);
@@ -1018,33 +1022,21 @@ class StageCall final : public ClosureImpl {
 
   /// Note [Anticipated stages]: a call primed by a run ahead that must run its stage after
   /// all (a miss, a second application, a joint backward) first gets the environment the
-  /// chain's calls would have left it: stages 0..t-1 run again, once, from the forward's
-  /// inputs and the seeds its chain was fed. Throws `Error` when an input of the forward
-  /// was modified in place since. No-op for every other call.
+  /// chain's calls would have left it: stages 0..t-1 run again, once, from copies of the
+  /// forward's inputs and the seeds its chain was fed. Throws `Error` as the stage's call
+  /// would when a value it reads saved was modified in place since. No-op for every
+  /// other call.
   void ensure_env() const {
     if (!pack_) return;
     std::call_once(env_once_, [this] {
       const auto& d = *desc_;
-      check_saved_versions();
-      // Rerunning stage 0 needs the forward's inputs as they were.
-      for (std::size_t i = 0; i < pack_->inputs0.size(); ++i) {
-        const Variable& in = pack_->inputs0[i];
-        const int64_t saved = i < pack_->versions0.size() ? pack_->versions0[i] : -1;
-        if (!in.defined() || saved < 0) continue;
-        const int64_t now = version_of(in);
-        if (now != saved)
-          ::stagejit::detail::throw_error<Error>(
-              "compiled stage ", stage_, ": ", ir::value_label(d.plan.stage_inputs(0).at(i)), " (input ", i,
-              " of the forward call, a ", in.data().scalar_type(), " tensor of shape ", in.data().sizes(),
-              ") was modified in place after the call (version ", saved, ", now ", now,
-              "); the forward ran this stage ahead for other seeds than this call's, and running it for these "
-              "needs the values the forward saw (Note [Anticipated stages]; CompileOptions::anticipate_stages "
-              "= false keeps every stage's saved values instead)");
-      }
+      check_saved_versions();  // as the stage's own call would, on what it reads saved
+      // Stage 0 reruns on the copies of the forward's inputs (the caller may have changed
+      // one it does not read saved since: a bias), the earlier stages on their seeds.
       auto call = std::make_shared<StageCall>(desc_, 0, std::vector<Variable>{}, std::vector<std::shared_ptr<Function>>{},
                                               std::vector<Edge>{});
       auto state = std::make_unique<CallState>();
-      call->run(pack_->inputs0, *state);
+      call->run(pack_->originals, *state);
       for (std::size_t s = 1; s < stage_; ++s) {
         call = call->next_call(*state);
         state = std::make_unique<CallState>();
@@ -1054,6 +1046,24 @@ class StageCall final : public ClosureImpl {
       env_values_ = std::move(mine->env_values_);
       env_handles_ = std::move(mine->env_handles_);
       env_versions_ = std::move(mine->env_versions_);
+      // An input of the forward, or a seed an earlier call was fed, saved for this stage is
+      // the caller's tensor at its version then, as the calls would have saved it (so an
+      // in-place change since is refused as without anticipation).
+      for (std::size_t slot = 0; slot < env_values_.size() && slot < d.plan.num_slots(); ++slot) {
+        const ir::Value* v = d.plan.slot_value(slot);
+        if (!env_values_[slot].defined() || !v->node()->is<ir::Param>()) continue;
+        const auto& ins = d.plan.stage_inputs(v->stage());
+        const std::size_t i = static_cast<std::size_t>(std::find(ins.begin(), ins.end(), v) - ins.begin());
+        std::lock_guard<std::mutex> lock(pack_->mutex);
+        if (v->stage() == 0 && i < pack_->inputs0.size() && pack_->inputs0[i].defined()) {
+          env_values_[slot] = pack_->inputs0[i];
+          if (slot < env_versions_.size()) env_versions_[slot] = pack_->versions0.at(i);
+        } else if (v->stage() >= 1 && v->stage() < pack_->fed.size() && i < pack_->fed[v->stage()].size() &&
+                   pack_->fed[v->stage()][i].first.defined()) {
+          env_values_[slot] = Variable(pack_->fed[v->stage()][i].first);
+          if (slot < env_versions_.size()) env_versions_[slot] = pack_->fed[v->stage()][i].second;
+        }
+      }
     });
   }
 
