@@ -68,11 +68,11 @@
 
 namespace stagejit::closure {
 
-/// The largest m such that stages 0..m of `graph` (optimised and fused; `plan` its plan)
+/// The largest m such that stages 0..m of a graph (optimised and fused; `plan` its plan)
 /// can be anticipated (Note [Anticipated stages]): no node of them keeps program order
 /// (random or in-place ops, host functions) or is an Eval, and no Handle crosses out of
 /// them. At most `last` (the last regular stage). 0: none.
-inline std::size_t max_anticipated_stage(const ir::Graph& graph, const CrossStagePlan& plan, std::size_t last) {
+inline std::size_t max_anticipated_stage(const CrossStagePlan& plan, std::size_t last) {
   std::size_t m = 0;
   for (std::size_t s = 0; s <= last && s < plan.num_stages(); ++s) {
     for (const ir::Node* n : plan.stage_nodes(s))
@@ -81,7 +81,6 @@ inline std::size_t max_anticipated_stage(const ir::Graph& graph, const CrossStag
       if (plan.slot_value(slot)->is_handle()) return s == 0 ? 0 : m;
     if (s > 0) m = s;
   }
-  (void)graph;
   return m;
 }
 

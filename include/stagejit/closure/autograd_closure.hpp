@@ -84,20 +84,26 @@ struct ChainLog;
 
 namespace detail {
 
-/// Note [Anticipated stages]: whether the one stage of `g` runs at least half of its matrix
-/// products inside row-tiled regions with `tile_rows` (tall inputs, layers of at most 128
-/// columns), where one graph across the former stages keeps their values in the cache.
-inline bool products_mostly_tiled(const ir::Graph& g, int64_t tile_rows) {
-  if (tile_rows <= 0) return false;
-  std::vector<ir::Node*> nodes = g.nodes();
+/// The matrix products (mm, addmm, matmul) among `nodes` (one stage's, in order), and how
+/// many of them the stage's row-tiled regions take (Note [Row-tiled regions]).
+inline std::pair<std::size_t, std::size_t> tiled_products(const std::vector<ir::Node*>& nodes) {
   auto is_product = [](const ir::Node* n) {
     const std::string d = n->describe();
     return d == "mm" || d == "addmm" || d == "matmul";
   };
   std::size_t products = 0, tiled = 0;
   for (const ir::Node* n : nodes) products += is_product(n);
-  for (const TiledRegion& r : find_row_tiled_regions(nodes, kMinTiledRows))
+  for (const TiledRegion& r : find_row_tiled_regions(nodes, kMinTiledRows, tiling::kMaxTiledWidth))
     for (const ir::Node* n : r.nodes) tiled += is_product(n);
+  return {products, tiled};
+}
+
+/// Note [Anticipated stages]: whether the one stage of `g` runs at least half of its matrix
+/// products inside row-tiled regions with `tile_rows` (tall inputs, layers of at most 128
+/// columns), where one graph across the former stages keeps their values in the cache.
+inline bool products_mostly_tiled(const ir::Graph& g, int64_t tile_rows) {
+  if (tile_rows <= 0) return false;
+  const auto [products, tiled] = tiled_products(g.nodes());
   return products > 0 && 2 * tiled >= products;
 }
 
@@ -200,7 +206,7 @@ struct MultiStageClosure {
     // (its call hosts the joint backward, which reads its environment).
     if (!cross_stage && stages.size() >= 2) {
       const std::size_t k = stages.size() - 1;
-      anticipate_max = max_anticipated_stage(*graph, plan, joint_stage != 0 ? k - 1 : k);
+      anticipate_max = max_anticipated_stage(plan, joint_stage != 0 ? k - 1 : k);
     }
   }
 

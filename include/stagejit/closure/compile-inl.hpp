@@ -149,16 +149,11 @@ inline bool backward_products_tile(const ir::Graph& g, int64_t tile_rows) {
     if (n->stage() >= by_stage.size()) by_stage.resize(n->stage() + 1);
     by_stage[n->stage()].push_back(n);
   }
-  auto is_product = [](const ir::Node* n) {
-    const std::string d = n->describe();
-    return d == "mm" || d == "addmm" || d == "matmul";
-  };
-  const int64_t min_rows = closure::kMinTiledRows;
   std::size_t products = 0, tiled = 0;
   for (std::size_t s = 1; s < by_stage.size(); ++s) {
-    for (const ir::Node* n : by_stage[s]) products += is_product(n);
-    for (const closure::TiledRegion& r : closure::find_row_tiled_regions(by_stage[s], min_rows, closure::tiling::kMaxTiledWidth))
-      for (const ir::Node* n : r.nodes) tiled += is_product(n);
+    const auto [p, t] = closure::detail::tiled_products(by_stage[s]);
+    products += p;
+    tiled += t;
   }
   return products > 0 && 2 * tiled >= products;
 }
