@@ -230,3 +230,101 @@ TEST_CASE("a bias changed in place after a run ahead, then a call with other see
   CHECK(rel(ddu.data(), want_ddu) <= 1e-10);
   CHECK(net.closure_for(in)->anticipation_stats().anticipated == 1);
 }
+
+// Note [Forward calls whose backward never comes]: a training step with its gradients
+// inside, compiled with the default one derivative, is called in grad mode and its
+// outputs are never differentiated: from the third call the forward saves nothing for
+// stage 1. A backward asked for after all reruns the forward from its inputs' copies.
+namespace {
+
+// in = mlp's inputs; returns the loss and its gradients in the weights (with a graph, so
+// that stage 1 can differentiate them).
+sj::variable_list step_with_grads(const sj::variable_list& in) {
+  sj::Variable loss = step_loss(in, mlp(in)[0]);
+  sj::variable_list out{loss};
+  for (const auto& g : sj::grad({loss}, sj::variable_list(in.begin() + 1, in.end()), {}, true)) out.push_back(g);
+  return out;
+}
+
+// The gradient of sum(dloss/dW2 * v) in W3, where v is fixed: through stage 1 (stagejit)
+// and libtorch's double backward.
+at::Tensor torch_mixed(const std::vector<at::Tensor>& data, const at::Tensor& v) {
+  std::vector<torch::Tensor> in;
+  for (const auto& t : data) in.push_back(t.detach().clone().set_requires_grad(true));
+  auto u = torch_mlp(in);
+  auto du = torch::autograd::grad({u}, {in[0]}, {torch::ones_like(u)}, true, true)[0];
+  auto u_x = du.narrow(1, 1, 1);
+  auto u_t = du.narrow(1, 0, 1);
+  auto ddu = torch::autograd::grad({u_x}, {in[0]}, {torch::ones_like(u_x)}, true, true)[0];
+  auto f = u_t + u * u_x - ddu.narrow(1, 1, 1) * 0.01;
+  auto loss = (f * f).mean() + (u * u).mean();
+  auto g_w2 = torch::autograd::grad({loss}, {in[3]}, {}, true, true)[0];
+  return torch::autograd::grad({(g_w2 * v).sum()}, {in[5]})[0].detach();
+}
+
+}  // namespace
+
+TEST_CASE("a step whose outputs are never differentiated saves nothing for stage 1 from the third call") {
+  at::manual_seed(18);
+  sj::CompiledFunction step = sj::compile(step_with_grads);  // one derivative: the default
+  std::vector<at::Tensor> data;
+  for (int call = 0; call < 5; ++call) {
+    CAPTURE(call);
+    data = mlp_data(40, 6);
+    auto out = step(leaves(data));
+    const Step want = torch_step(data);
+    Step got{out[0].data().item<double>(), {}};
+    for (std::size_t i = 1; i < out.size(); ++i) got.grads.push_back(out[i].data());
+    check_step(got, want);
+  }
+  auto stats = step.closure_for(leaves(data))->anticipation_stats();
+  CHECK(stats.chains == 5);
+  CHECK(stats.uncaptured == 3);  // calls 2, 3 and 4
+  CHECK(stats.uncaptured_misses == 0);
+  CHECK(stats.anticipated == 0);
+
+  // A backward after all, through an uncaptured call: stage 1 reruns the forward.
+  const at::Tensor v = at::randn({6, 6}, at::kDouble);
+  for (int call = 0; call < 2; ++call) {
+    CAPTURE(call);
+    auto in = leaves(data);
+    auto out = step(in);
+    auto got = sj::grad({sj::sum(sj::mul(out[3], sj::Variable(v)))}, {in[5]})[0];
+    CHECK(rel(got.data(), torch_mixed(data, v)) <= 1e-10);
+  }
+  stats = step.closure_for(leaves(data))->anticipation_stats();
+  CHECK(stats.uncaptured == 4);  // the first of the two (the second follows a chain that called stage 1)
+  CHECK(stats.uncaptured_misses == 1);
+  CHECK_FALSE(stats.uncaptured_disabled);
+}
+
+TEST_CASE("an uncaptured forward refuses a weight modified in place before its backward, as without") {
+  at::manual_seed(19);
+  const auto data = mlp_data(30, 5);
+  const at::Tensor v = at::randn({5, 5}, at::kDouble);
+  for (int what : {0, 1}) {  // 0: W2, which stage 1 reads saved; 1: the returned gradient of W2
+    CAPTURE(what);
+    bool threw[2] = {false, false};
+    for (bool anticipate : {true, false}) {
+      CAPTURE(anticipate);
+      sj::CompiledFunction step = sj::compile(step_with_grads, sj::CompileOptions{.anticipate_stages = anticipate});
+      std::vector<at::Tensor> copy;
+      for (const auto& t : data) copy.push_back(t.clone());
+      for (int call = 0; call < 2; ++call) (void)step(leaves(copy));
+      auto in = leaves(copy);
+      auto out = step(in);
+      CHECK(step.closure_for(in)->anticipation_stats().uncaptured == 0);  // counted when its chain ends
+      if (what == 0)
+        copy[3].add_(0.5);
+      else
+        out[3].data().mul_(2.0);
+      try {
+        auto got = sj::grad({sj::sum(sj::mul(out[3], sj::Variable(v)))}, {in[5]})[0];
+        CHECK(rel(got.data(), torch_mixed(data, v)) <= 1e-10);  // what it read was saved before
+      } catch (const sj::Error&) {
+        threw[anticipate ? 1 : 0] = true;
+      }
+    }
+    CHECK(threw[0] == threw[1]);
+  }
+}

@@ -47,6 +47,29 @@
 /// 784-256-128-10 at 128 images, ran 6-10 % slower; hvp's 256-wide layers, even). `CompileOptions::anticipate_stages` (or
 /// STAGEJIT_ANTICIPATE=0 in the environment) turns it off. Results are those of the
 /// calls one by one, up to the order of float sums (one fused graph).
+///
+/// Note [Forward calls whose backward never comes]
+/// A call in grad mode saves, for stage 1, what stage 1 reads, since its outputs may be
+/// differentiated later. A training step that computes its gradients inside the compiled
+/// function (`out = {loss, grad(loss, w)...}`) is called in grad mode, with weights that
+/// require grad, and compiled with the default one derivative; its outputs are never
+/// differentiated, yet every call wrote what stage 1 would read. That is the forward's
+/// values and the inner backward's, row values that leave the cache: a Burgers step of this
+/// form ran 11.7-13.0 ms where the same step compiled with no derivative ran 8.4-8.7 ms
+/// (bench/higher_order.md, 2026-12-08). So, with the same switch as anticipation:
+/// - a chain whose calls of stages >= 1 never came (its outputs freed undifferentiated)
+///   counts as idle;
+/// - after two idle chains in a row, a forward call in grad mode runs stage 0 without saving
+///   anything (the variant that captures nothing), keeps its inputs' tensors, their versions
+///   and copies (as a run ahead does), and links its outputs to stage 1 as always;
+/// - if stage 1 is called after all, its call reruns stage 0 from the copies first (as a
+///   missed anticipated call does, `ensure_env`). What it reads saved is then the caller's
+///   inputs and the outputs as returned, at their versions then: an in-place change since is
+///   refused exactly as without. The chain counts as a miss; after three, this is off for
+///   the closure.
+/// Only where stage 0 could be rerun (no random or in-place op, host function or Eval, no
+/// Handle saved for later stages), on the CPU, where anticipation runs.
+/// `anticipation_stats()` counts `uncaptured` calls and `uncaptured_misses`.
 
 #include <stagejit/closure/plan.hpp>
 #include <stagejit/core/error.hpp>

@@ -148,6 +148,9 @@ struct MultiStageClosure {
   /// and whether it does (`CompileOptions::anticipate_stages`).
   std::size_t anticipate_max = 0;
   bool anticipate = false;
+  /// Note [Forward calls whose backward never comes]: stage 0 has nothing a rerun could
+  /// not repeat (no random or in-place op, host function or Eval; no Handle crosses out).
+  bool forward_rerunnable = false;
 
   /// Note [Anticipated stages]: what the calls of stages 1..m of a chain were fed, and the
   /// anticipated graph for it (built on first use by `anticipated_closure`).
@@ -176,6 +179,12 @@ struct MultiStageClosure {
     std::size_t hits = 0;         ///< stage calls served by an anticipated run
     std::size_t misses = 0;       ///< anticipated chains not served in full
     bool disabled = false;        ///< off after too many misses or a failed build
+    /// Note [Forward calls whose backward never comes]: forward calls run without saving
+    /// for stage 1, of them those whose stage 1 was called after all (a rerun), and
+    /// whether that is off for this closure (after three such calls).
+    std::size_t uncaptured = 0;
+    std::size_t uncaptured_misses = 0;
+    bool uncaptured_disabled = false;
   };
 
   /// Builds every stage's closure. `graph` is the optimised graph of `trace` (same
@@ -207,6 +216,11 @@ struct MultiStageClosure {
     if (!cross_stage && stages.size() >= 2) {
       const std::size_t k = stages.size() - 1;
       anticipate_max = max_anticipated_stage(plan, joint_stage != 0 ? k - 1 : k);
+      forward_rerunnable = true;
+      for (const ir::Node* n : plan.stage_nodes(0))
+        if (keeps_program_order(*n) || n->is<ir::Eval>()) forward_rerunnable = false;
+      for (std::size_t slot : plan.captures(0))
+        if (plan.slot_value(slot)->is_handle()) forward_rerunnable = false;
     }
   }
 
@@ -350,6 +364,16 @@ struct MultiStageClosure {
   /// Note [Anticipated stages]: takes what a chain of calls was fed when it ends.
   inline void observe_chain(const ChainLog& log) const;
 
+  /// Note [Forward calls whose backward never comes]: the pattern of a forward call run
+  /// without saving for stage 1 (m = 0, no seeds) when the chains before it never called
+  /// stage 1; null otherwise.
+  std::shared_ptr<const AnticipationPattern> uncaptured_pattern() const {
+    std::lock_guard<std::mutex> lock(anticipation_mutex_);
+    if (!anticipate || !forward_rerunnable || stats_.uncaptured_disabled || idle_streak_ < 2) return nullptr;
+    if (!uncaptured_pattern_) uncaptured_pattern_ = std::make_shared<AnticipationPattern>();
+    return uncaptured_pattern_;
+  }
+
   /// Note [Anticipated stages]: counts so far.
   AnticipationStats anticipation_stats() const {
     std::lock_guard<std::mutex> lock(anticipation_mutex_);
@@ -361,6 +385,10 @@ struct MultiStageClosure {
   mutable std::mutex anticipation_mutex_;
   mutable std::shared_ptr<const AnticipationPattern> pattern_;
   mutable int streak_ = 0;  // chains in a row that confirmed pattern_
+  // Note [Forward calls whose backward never comes]: chains in a row that called no later
+  // stage, and the pattern of their uncaptured forward calls.
+  mutable int idle_streak_ = 0;
+  mutable std::shared_ptr<AnticipationPattern> uncaptured_pattern_;
   mutable AnticipationStats stats_;
   mutable std::mutex variants_mutex_;
   mutable std::unordered_map<StageVariantKey, std::shared_ptr<const StageVariant>, StageVariantKeyHash>
@@ -411,6 +439,7 @@ struct ChainLog {
   std::vector<Call> calls;       ///< [t-1]
   std::size_t anticipated = 0;   ///< the forward ran stages 1..anticipated ahead (0: not)
   std::size_t hits = 0;          ///< of them, calls served
+  bool uncaptured = false;       ///< the forward saved nothing for stage 1
 
   ChainLog(std::shared_ptr<const MultiStageClosure> d, std::shared_ptr<const MultiStageClosure::AnticipationPattern> p)
       : desc(std::move(d)), against(std::move(p)) {}
@@ -481,9 +510,16 @@ inline void MultiStageClosure::observe_chain(const ChainLog& log) const {
       fresh->grad_mode.push_back(c.grad_mode ? 1 : 0);
     }
   }
+  bool any_call = false;
+  for (const ChainLog::Call& c : log.calls) any_call = any_call || c.count > 0;
   std::lock_guard<std::mutex> lock(anticipation_mutex_);
   ++stats_.chains;
   stats_.hits += log.hits;
+  idle_streak_ = any_call ? 0 : idle_streak_ + 1;
+  if (log.uncaptured) {
+    ++stats_.uncaptured;
+    if (any_call && ++stats_.uncaptured_misses >= 3) stats_.uncaptured_disabled = true;
+  }
   if (log.anticipated > 0) {
     ++stats_.anticipated;
     if (log.hits < log.anticipated && ++stats_.misses >= 3) stats_.disabled = true;
@@ -826,7 +862,7 @@ class StageCall final : public ClosureImpl {
       served = run_ahead(inputs, needed, state, log, pack);
     } else {
       const bool first_match = log && log->record(stage_, inputs, needed, GradMode::is_enabled());
-      if (pack_ && first_match && !pack_used_.exchange(true)) {
+      if (pack_ && stage_ <= pack_->pattern->m && first_match && !pack_used_.exchange(true)) {
         served = serve_from_run(inputs, state, primed_versions);
         if (served) {
           pack = pack_;
@@ -900,7 +936,7 @@ class StageCall final : public ClosureImpl {
       }
       if (rg) ++next_input;
     }
-    if (pack && stage_ < pack->pattern->m) {
+    if (pack && (stage_ < pack->pattern->m || (pack->pattern->m == 0 && stage_ == 0))) {
       // What a later call of the chain checks the version of (Note [Anticipated stages]).
       std::lock_guard<std::mutex> lock(pack->mutex);
       auto& kept = pack->returned.at(stage_);
@@ -926,9 +962,21 @@ class StageCall final : public ClosureImpl {
     std::shared_ptr<const MultiStageClosure::AnticipationPattern> current;
     auto armed = d.armed_pattern(&current);
     log = std::make_shared<ChainLog>(desc_, current);
-    if (!armed) return false;
     for (const auto& in : inputs)
       if (in.defined() && !in.data().device().is_cpu()) return false;
+    if (!armed) {
+      // Note [Forward calls whose backward never comes].
+      auto idle = d.uncaptured_pattern();
+      if (!idle) return false;
+      run(inputs, state, &needed, /*captures=*/false);
+      auto run_pack = std::make_shared<AnticipatedRun>();
+      run_pack->pattern = std::move(idle);
+      keep_inputs(*run_pack, inputs);
+      run_pack->returned.resize(1);
+      log->uncaptured = true;
+      pack = std::move(run_pack);
+      return true;
+    }
     if (!d.anticipated_closure(*armed)) return false;
     variable_list all = inputs;
     for (const auto& seeds : armed->seeds) all.insert(all.end(), seeds.begin(), seeds.end());
@@ -941,13 +989,7 @@ class StageCall final : public ClosureImpl {
       run->outputs = std::move(st.outputs);
     }
     for (const auto& o : run->outputs) run->output_versions.push_back(version_of(o));
-    for (const auto& in : inputs) {
-      run->inputs0.push_back(in.defined() ? Variable(in.data()) : Variable());  // no autograd record kept
-      run->versions0.push_back(version_of(in));
-      // A copy (the inputs are a small part of a step's memory traffic), in case a later
-      // call must rerun stage 0 after the caller changed an input in place.
-      run->originals.push_back(in.defined() ? Variable(in.data().clone()) : Variable());
-    }
+    keep_inputs(*run, inputs);
     run->returned.resize(armed->m + 1);
     run->fed.resize(armed->m + 1);
     state.outputs.clear();
@@ -960,12 +1002,24 @@ class StageCall final : public ClosureImpl {
     return true;
   }
 
+  /// Note [Anticipated stages]: keeps the forward's inputs in `run`: their tensors, their
+  /// versions now, and copies (the inputs are a small part of a step's memory traffic) in
+  /// case a later call must rerun stage 0 after the caller changed an input in place.
+  static void keep_inputs(AnticipatedRun& run, const variable_list& inputs) {
+    for (const auto& in : inputs) {
+      run.inputs0.push_back(in.defined() ? Variable(in.data()) : Variable());  // no autograd record kept
+      run.versions0.push_back(version_of(in));
+      run.originals.push_back(in.defined() ? Variable(in.data().clone()) : Variable());
+    }
+  }
+
   /// Note [Anticipated stages]: throws as `check_version` when a tensor a call of this
   /// stage would read saved (an input of the forward or a view of one, an earlier call's
   /// seed, an output returned by an earlier call) was modified in place since.
   void check_saved_versions() const {
     const auto& d = *desc_;
     const auto& P = *pack_->pattern;
+    if (stage_ - 1 >= P.checks.size()) return;  // an uncaptured forward's stage 1: see ensure_env
     for (const auto& c : P.checks.at(stage_ - 1)) {
       at::Tensor tensor;
       int64_t saved = -1;
@@ -1095,6 +1149,24 @@ class StageCall final : public ClosureImpl {
           if (slot < env_versions_.size()) env_versions_[slot] = pack_->fed[v->stage()][i].second;
         }
       }
+      // Note [Forward calls whose backward never comes]: an output of the forward saved for
+      // this stage is the tensor the forward returned, at its version then, as the forward
+      // would have saved it (so an in-place change since is refused as without).
+      if (pack_->pattern->m == 0) {
+        const auto& outs = d.plan.stage_outputs(0);
+        std::lock_guard<std::mutex> lock(pack_->mutex);
+        const auto& kept = pack_->returned.at(0);
+        for (std::size_t slot = 0; slot < env_values_.size() && slot < d.plan.num_slots(); ++slot) {
+          if (!env_values_[slot].defined()) continue;
+          const ir::Value* v = d.plan.slot_value(slot);
+          for (std::size_t j = 0; j < outs.size() && j < kept.size(); ++j) {
+            if (outs[j] != v || !kept[j].first.defined()) continue;
+            env_values_[slot] = Variable(kept[j].first);
+            if (slot < env_versions_.size()) env_versions_[slot] = kept[j].second;
+            break;
+          }
+        }
+      }
     });
   }
 
@@ -1175,7 +1247,7 @@ class StageCall final : public ClosureImpl {
     auto impl = std::make_shared<StageCall>(desc_, next, std::move(values), std::move(handles), edges,
                                             std::move(versions));
     impl->log_ = log;
-    if (pack && next <= pack->pattern->m) impl->pack_ = pack;
+    if (pack && (next <= pack->pattern->m || (pack->pattern->m == 0 && next == 1))) impl->pack_ = pack;
     const auto num_grads = static_cast<uint32_t>(d.flags[next].inputs.size());
     auto fn = make_function(ClosureFunction{impl}, std::move(next_edges), num_grads);
     if (d.joint_stage != 0 && next + 1 == d.joint_stage) impl->parent_token_ = token_;  // Note [Joint siblings]
