@@ -81,10 +81,9 @@ inline Step sj_loss_step(CompiledFunction& loss, const std::vector<at::Tensor>& 
   return step_of(loss(in)[0], in);
 }
 
-/// The same step on libtorch's autograd.
-inline Step torch_step(const std::vector<at::Tensor>& data) {
-  std::vector<torch::Tensor> in;
-  for (const auto& t : data) in.push_back(t.detach().clone().set_requires_grad(true));
+/// `step_loss` of `torch_mlp` on libtorch's autograd, with a graph (`in`: leaves
+/// requiring grad).
+inline torch::Tensor torch_loss(const std::vector<torch::Tensor>& in) {
   auto u = torch_mlp(in);
   auto du = torch::autograd::grad({u}, {in[0]}, {torch::ones_like(u)}, true, true)[0];
   auto u_x = du.narrow(1, 1, 1);
@@ -92,7 +91,14 @@ inline Step torch_step(const std::vector<at::Tensor>& data) {
   auto ddu = torch::autograd::grad({u_x}, {in[0]}, {torch::ones_like(u_x)}, true, true)[0];
   auto u_xx = ddu.narrow(1, 1, 1);
   auto f = u_t + u * u_x - u_xx * 0.01;
-  auto loss = (f * f).mean() + (u * u).mean();
+  return (f * f).mean() + (u * u).mean();
+}
+
+/// The same step on libtorch's autograd.
+inline Step torch_step(const std::vector<at::Tensor>& data) {
+  std::vector<torch::Tensor> in;
+  for (const auto& t : data) in.push_back(t.detach().clone().set_requires_grad(true));
+  auto loss = torch_loss(in);
   std::vector<torch::Tensor> params(in.begin() + 1, in.end());
   auto g = torch::autograd::grad({loss}, params);
   return Step{loss.to(at::kDouble).item<double>(), {g.begin(), g.end()}};
