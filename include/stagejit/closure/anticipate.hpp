@@ -55,7 +55,7 @@
 /// require grad, and compiled with the default one derivative; its outputs are never
 /// differentiated, yet every call wrote what stage 1 would read. That is the forward's
 /// values and the inner backward's, row values that leave the cache: a Burgers step of this
-/// form ran 11.7-13.0 ms where the same step compiled with no derivative ran 8.4-8.7 ms
+/// form ran 11.2-13.0 ms where the same step compiled with no derivative ran 8.0-8.7 ms
 /// (bench/higher_order.md, 2026-12-08). So, with the same switch as anticipation:
 /// - a chain whose calls of stages >= 1 never came (its outputs freed undifferentiated)
 ///   counts as idle;
