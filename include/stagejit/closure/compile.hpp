@@ -114,8 +114,11 @@ struct CompileOptions {
   /// call in grad mode runs stages 0..m as one fused graph and the calls of stages 1..m
   /// return what it computed, after checking their seeds bit for bit; any other call runs
   /// its stage as before (Note [Anticipated stages] in closure/anticipate.hpp). Not for
-  /// stages with random or in-place ops or host functions, nor off the CPU. The
-  /// environment variable STAGEJIT_ANTICIPATE=0 turns it off too.
+  /// stages with random or in-place ops or host functions, nor off the CPU. Also: once two
+  /// calls in a row had their outputs freed undifferentiated (a step with its `grad`
+  /// calls inside), a forward call saves nothing for stage 1, and a stage-1 call after all
+  /// reruns the forward first (Note [Forward calls whose backward never comes]). The
+  /// environment variable STAGEJIT_ANTICIPATE=0 turns both off too.
   bool anticipate_stages = true;
   /// Trace on meta tensors (ATen's shape-only device: no data, no arithmetic) with the
   /// inputs' sizes, strides and dtypes, then record the real device in the graph's types:
