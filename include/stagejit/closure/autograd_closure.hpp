@@ -515,7 +515,7 @@ inline void MultiStageClosure::observe_chain(const ChainLog& log) const {
   std::lock_guard<std::mutex> lock(anticipation_mutex_);
   ++stats_.chains;
   stats_.hits += log.hits;
-  idle_streak_ = any_call ? 0 : idle_streak_ + 1;
+  idle_streak_ = any_call ? 0 : std::min(idle_streak_ + 1, 2);
   if (log.uncaptured) {
     ++stats_.uncaptured;
     if (any_call && ++stats_.uncaptured_misses >= 3) stats_.uncaptured_disabled = true;
@@ -918,6 +918,11 @@ class StageCall final : public ClosureImpl {
       for (std::size_t i = 0; i < outs.size(); ++i) any = any || (wants[i] && outs[i].defined());
       if (any) grad_fn = make_next(state, edges, log, pack, served ? &primed_versions : nullptr);
     }
+    // Note [Forward calls whose backward never comes]: the inputs' copies, for a stage-1
+    // call's rerun, once one can follow (nothing runs it before this call returns).
+    if (pack && pack->pattern->m == 0 && stage_ == 0 && grad_fn)
+      for (const auto& in : pack->inputs0)
+        pack->originals.push_back(in.defined() ? Variable(in.data().clone()) : Variable());
     variable_list result;
     result.reserve(outs.size());
     uint32_t next_input = 0;
@@ -971,7 +976,7 @@ class StageCall final : public ClosureImpl {
       run(inputs, state, &needed, /*captures=*/false);
       auto run_pack = std::make_shared<AnticipatedRun>();
       run_pack->pattern = std::move(idle);
-      keep_inputs(*run_pack, inputs);
+      keep_inputs(*run_pack, inputs, /*copies=*/false);  // copied once a stage-1 call can follow (`apply`)
       run_pack->returned.resize(1);
       log->uncaptured = true;
       pack = std::move(run_pack);
@@ -1005,11 +1010,11 @@ class StageCall final : public ClosureImpl {
   /// Note [Anticipated stages]: keeps the forward's inputs in `run`: their tensors, their
   /// versions now, and copies (the inputs are a small part of a step's memory traffic) in
   /// case a later call must rerun stage 0 after the caller changed an input in place.
-  static void keep_inputs(AnticipatedRun& run, const variable_list& inputs) {
+  static void keep_inputs(AnticipatedRun& run, const variable_list& inputs, bool copies = true) {
     for (const auto& in : inputs) {
       run.inputs0.push_back(in.defined() ? Variable(in.data()) : Variable());  // no autograd record kept
       run.versions0.push_back(version_of(in));
-      run.originals.push_back(in.defined() ? Variable(in.data().clone()) : Variable());
+      if (copies) run.originals.push_back(in.defined() ? Variable(in.data().clone()) : Variable());
     }
   }
 
@@ -1122,6 +1127,7 @@ class StageCall final : public ClosureImpl {
                                               std::vector<Edge>{});
       auto state = std::make_unique<CallState>();
       call->run(pack_->originals, *state);
+      const variable_list rerun_outputs = state->outputs;  // stage 0's, of this rerun
       for (std::size_t s = 1; s < stage_; ++s) {
         call = call->next_call(*state);
         state = std::make_unique<CallState>();
@@ -1151,7 +1157,9 @@ class StageCall final : public ClosureImpl {
       }
       // Note [Forward calls whose backward never comes]: an output of the forward saved for
       // this stage is the tensor the forward returned, at its version then, as the forward
-      // would have saved it (so an in-place change since is refused as without).
+      // would have saved it; a saved view of an input or of a returned output (a `t(W)`, a
+      // value the output reshapes) counts the versions of that tensor, as the forward's own
+      // view would have (so an in-place change since is refused exactly as without).
       if (pack_->pattern->m == 0) {
         const auto& outs = d.plan.stage_outputs(0);
         std::lock_guard<std::mutex> lock(pack_->mutex);
@@ -1159,12 +1167,34 @@ class StageCall final : public ClosureImpl {
         for (std::size_t slot = 0; slot < env_values_.size() && slot < d.plan.num_slots(); ++slot) {
           if (!env_values_[slot].defined()) continue;
           const ir::Value* v = d.plan.slot_value(slot);
+          bool replaced = false;
           for (std::size_t j = 0; j < outs.size() && j < kept.size(); ++j) {
             if (outs[j] != v || !kept[j].first.defined()) continue;
             env_values_[slot] = Variable(kept[j].first);
             if (slot < env_versions_.size()) env_versions_[slot] = kept[j].second;
+            replaced = true;
             break;
           }
+          if (replaced || v->node()->is<ir::Param>()) continue;
+          at::Tensor e = env_values_[slot].data();
+          if (e.is_inference()) continue;
+          // The tensor whose versions it would have shared: an input it views (the rerun
+          // read the input's copy), else a returned output it shares storage with.
+          at::Tensor owner;
+          int64_t version = -1;
+          for (std::size_t i = 0; i < pack_->originals.size() && !owner.defined(); ++i)
+            if (pack_->originals[i].defined() && pack_->inputs0[i].defined() && e.is_alias_of(pack_->originals[i].data())) {
+              owner = pack_->inputs0[i].data();
+              version = pack_->versions0.at(i);
+            }
+          for (std::size_t j = 0; j < rerun_outputs.size() && j < kept.size() && !owner.defined(); ++j)
+            if (rerun_outputs[j].defined() && kept[j].first.defined() && e.is_alias_of(rerun_outputs[j].data())) {
+              owner = kept[j].first;
+              version = kept[j].second;
+            }
+          if (!owner.defined() || owner.is_inference() || version < 0) continue;
+          e.unsafeGetTensorImpl()->set_version_counter(owner.unsafeGetTensorImpl()->version_counter());
+          if (slot < env_versions_.size()) env_versions_[slot] = version;
         }
       }
     });
