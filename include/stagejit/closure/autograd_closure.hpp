@@ -551,6 +551,9 @@ struct AnticipatedRun {
   std::vector<std::vector<std::pair<at::Tensor, int64_t>>> fed;
   /// [s][j]: output j of stage s as returned to the caller, and its version then.
   std::vector<std::vector<std::pair<at::Tensor, int64_t>>> returned;
+  /// Note [Forward calls whose backward never comes]: the forward ran nothing ahead and
+  /// saved nothing; its stage-1 call reruns it.
+  bool uncaptured() const noexcept { return pattern->m == 0; }
 };
 
 /// Runs stage `stage` of a MultiStageClosure for one call; see the file comment.
@@ -920,7 +923,7 @@ class StageCall final : public ClosureImpl {
     }
     // Note [Forward calls whose backward never comes]: the inputs' copies, for a stage-1
     // call's rerun, once one can follow (nothing runs it before this call returns).
-    if (pack && pack->pattern->m == 0 && stage_ == 0 && grad_fn)
+    if (pack && pack->uncaptured() && stage_ == 0 && grad_fn)
       for (const auto& in : pack->inputs0)
         pack->originals.push_back(in.defined() ? Variable(in.data().clone()) : Variable());
     variable_list result;
@@ -941,7 +944,7 @@ class StageCall final : public ClosureImpl {
       }
       if (rg) ++next_input;
     }
-    if (pack && (stage_ < pack->pattern->m || (pack->pattern->m == 0 && stage_ == 0))) {
+    if (pack && (stage_ < pack->pattern->m || (pack->uncaptured() && stage_ == 0))) {
       // What a later call of the chain checks the version of (Note [Anticipated stages]).
       std::lock_guard<std::mutex> lock(pack->mutex);
       auto& kept = pack->returned.at(stage_);
@@ -1160,7 +1163,7 @@ class StageCall final : public ClosureImpl {
       // would have saved it; a saved view of an input or of a returned output (a `t(W)`, a
       // value the output reshapes) counts the versions of that tensor, as the forward's own
       // view would have (so an in-place change since is refused exactly as without).
-      if (pack_->pattern->m == 0) {
+      if (pack_->uncaptured()) {
         const auto& outs = d.plan.stage_outputs(0);
         std::lock_guard<std::mutex> lock(pack_->mutex);
         const auto& kept = pack_->returned.at(0);
@@ -1277,7 +1280,7 @@ class StageCall final : public ClosureImpl {
     auto impl = std::make_shared<StageCall>(desc_, next, std::move(values), std::move(handles), edges,
                                             std::move(versions));
     impl->log_ = log;
-    if (pack && (next <= pack->pattern->m || (pack->pattern->m == 0 && next == 1))) impl->pack_ = pack;
+    if (pack && (next <= pack->pattern->m || (pack->uncaptured() && next == 1))) impl->pack_ = pack;
     const auto num_grads = static_cast<uint32_t>(d.flags[next].inputs.size());
     auto fn = make_function(ClosureFunction{impl}, std::move(next_edges), num_grads);
     if (d.joint_stage != 0 && next + 1 == d.joint_stage) impl->parent_token_ = token_;  // Note [Joint siblings]
